@@ -1,0 +1,96 @@
+"""Find, JIT-compile and load the FFI kernels in ``kernels/`` on first use.
+
+Each device type (``"cpu"``, ``"cuda"``) has one source file that registers native kernels for the
+``squash`` ops under its dispatch key (``TORCH_LIBRARY_IMPL(squash, CPU|CUDA, m)``). Loading is
+tried once per process and device type; on failure squash warns once and the pure-PyTorch
+reference serves that device. ``SQUASH_KERNELS=reference`` skips loading altogether.
+"""
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCES = {"cpu": ["ffi_cpu.cpp"], "cuda": ["ffi_cuda.cu"]}
+_state: dict[str, Optional[str]] = {}  # device type -> None (loaded) or the failure message
+_lock = threading.Lock()
+
+
+def kernels_dir() -> Path:
+    """Directory holding the kernel sources (``kernels/`` beside the package, or inside it)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parents[1] / "kernels", here.parent / "_kernels"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"squash kernel sources not found near {here}")
+
+
+def mode() -> str:
+    """``"native"`` (default) or ``"reference"``, from ``SQUASH_KERNELS``."""
+    value = os.environ.get("SQUASH_KERNELS", "native").strip().lower()
+    if value not in ("native", "reference"):
+        raise ValueError(f"SQUASH_KERNELS must be 'native' or 'reference', got {value!r}")
+    return value
+
+
+def build_flags(device_type: str) -> dict:
+    """Compiler flags for ``torch.utils.cpp_extension.load`` for one device type."""
+    if device_type == "cpu":
+        return {
+            "extra_cflags": ["-O3", "-march=native", "-fopenmp", "-std=c++17"],
+            "extra_ldflags": ["-fopenmp"],
+        }
+    flags = ["-O3"]
+    if torch.version.hip is None:
+        flags += ["--use_fast_math", "-std=c++17"]
+    return {"extra_cflags": ["-O3", "-std=c++17"], "extra_cuda_cflags": flags}
+
+
+def _compile(device_type: str) -> None:
+    from torch.utils import cpp_extension
+
+    src = kernels_dir()
+    sources = [str(src / name) for name in _SOURCES[device_type]]
+    cpp_extension.load(
+        name=f"squash_ffi_{device_type}",
+        sources=sources,
+        extra_include_paths=[str(src)],
+        is_python_module=False,
+        verbose=os.environ.get("SQUASH_VERBOSE_BUILD", "0") == "1",
+        **build_flags(device_type),
+    )
+
+
+def ensure_loaded(device_type: str) -> bool:
+    """Load the native kernels for ``device_type`` once; True when they serve that device."""
+    if device_type not in _SOURCES or mode() == "reference":
+        return False
+    with _lock:
+        if device_type not in _state:
+            try:
+                _compile(device_type)
+                _state[device_type] = None
+            except Exception as err:  # no compiler, no CUDA toolkit, a build error, ...
+                _state[device_type] = f"{type(err).__name__}: {err}"
+                warnings.warn(
+                    f"squash: could not build the {device_type} FFI kernels, using the slower "
+                    f"pure-PyTorch reference instead. Reason: {_state[device_type][:2000]}",
+                    stacklevel=3,
+                )
+    return _state[device_type] is None
+
+
+def status() -> dict[str, str]:
+    """What serves each device type so far: ``"native"``, ``"reference"`` or ``"not loaded"``."""
+    out = {}
+    for device_type in _SOURCES:
+        if mode() == "reference":
+            out[device_type] = "reference"
+        elif device_type not in _state:
+            out[device_type] = "not loaded"
+        else:
+            out[device_type] = "native" if _state[device_type] is None else "reference"
+    return out
