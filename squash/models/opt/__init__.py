@@ -1,0 +1,71 @@
+"""OPT for torchtune: decoder, builders, HF weight conversion, checkpointer and tokenizer."""
+
+from squash.models.opt._checkpointer import OPTCheckpointer
+from squash.models.opt._component_builders import lora_opt, opt, opt_mlp, opt_self_attention
+from squash.models.opt._convert_weights import (
+    opt_args_from_hf_config,
+    opt_hf_shapes,
+    opt_hf_to_tune,
+    opt_tune_to_hf,
+    opt_tune_to_peft_adapter_config,
+    opt_tune_to_peft_adapter_weights,
+)
+from squash.models.opt._decoder import OPTDecoder, OPTLearnedPositionalEmbedding, OPTPostNormLayer
+from squash.models.opt._model_builders import (
+    lora_opt_125m,
+    lora_opt_1_3b,
+    lora_opt_2_7b,
+    lora_opt_350m,
+    lora_opt_6_7b,
+    lora_opt_tiny,
+    opt_125m,
+    opt_1_3b,
+    opt_2_7b,
+    opt_350m,
+    opt_6_7b,
+    opt_tiny,
+    qlora_opt_125m,
+    qlora_opt_1_3b,
+    qlora_opt_2_7b,
+    qlora_opt_350m,
+    qlora_opt_6_7b,
+    qlora_opt_tiny,
+)
+from squash.models.opt._tokenizer import OPTTokenizer, opt_tokenizer
+
+__all__ = [
+    "OPTCheckpointer",
+    "OPTDecoder",
+    "OPTLearnedPositionalEmbedding",
+    "OPTPostNormLayer",
+    "OPTTokenizer",
+    "lora_opt",
+    "lora_opt_125m",
+    "lora_opt_1_3b",
+    "lora_opt_2_7b",
+    "lora_opt_350m",
+    "lora_opt_6_7b",
+    "lora_opt_tiny",
+    "opt",
+    "opt_125m",
+    "opt_1_3b",
+    "opt_2_7b",
+    "opt_350m",
+    "opt_6_7b",
+    "opt_args_from_hf_config",
+    "opt_hf_shapes",
+    "opt_hf_to_tune",
+    "opt_mlp",
+    "opt_self_attention",
+    "opt_tiny",
+    "opt_tokenizer",
+    "opt_tune_to_hf",
+    "opt_tune_to_peft_adapter_config",
+    "opt_tune_to_peft_adapter_weights",
+    "qlora_opt_125m",
+    "qlora_opt_1_3b",
+    "qlora_opt_2_7b",
+    "qlora_opt_350m",
+    "qlora_opt_6_7b",
+    "qlora_opt_tiny",
+]

@@ -1,0 +1,358 @@
+"""Component builders for OPT and its LoRA/QLoRA variants.
+
+As in torchtune, the building blocks (:class:`~torchtune.modules.MultiHeadAttention`,
+:class:`~torchtune.modules.FeedForward`, :class:`~torchtune.modules.TransformerSelfAttentionLayer`)
+receive their linear layers; these builders decide whether each one is an ``nn.Linear`` or a
+:class:`~torchtune.modules.peft.LoRALinear` (NF4 base with ``quantize_base``). A function that
+swaps ``LoRALinear`` modules for other adapters can be applied to the output of
+:func:`lora_opt` unchanged.
+
+Module names, for the key table in ``_convert_weights.py`` (``N`` = layer index)::
+
+    tok_embeddings            nn.Embedding(vocab_size, word_embed_proj_dim)
+    pos_embeddings            OPTLearnedPositionalEmbedding(max_seq_len, embed_dim)
+    project_in, project_out   nn.Linear without bias, only if word_embed_proj_dim != embed_dim
+    layers.N.attn.{q,k,v,output}_proj   linear with bias
+    layers.N.sa_norm          LayerNorm of the attention block (before it, or after for post-norm)
+    layers.N.mlp.w1, mlp.w2   fc1 -> ReLU -> fc2, with bias
+    layers.N.mlp_norm         LayerNorm of the MLP block
+    norm                      final LayerNorm (pre-norm models only)
+    output                    TiedLinear(tok_embeddings)
+"""
+
+from functools import partial
+from typing import List, Optional
+
+from torch import nn
+from torchtune.modules import FeedForward, MultiHeadAttention, TiedLinear
+from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
+from torchtune.modules.peft import LORA_ATTN_MODULES, LoRALinear
+
+from squash.models.opt._decoder import (
+    OPTDecoder,
+    OPTLearnedPositionalEmbedding,
+    OPTPostNormLayer,
+)
+
+
+def opt(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    word_embed_proj_dim: Optional[int] = None,
+    pre_norm: bool = True,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-5,
+) -> OPTDecoder:
+    """Build an OPT decoder.
+
+    Args:
+        vocab_size (int): number of tokens in the vocabulary.
+        num_layers (int): number of decoder layers.
+        num_heads (int): number of attention heads.
+        embed_dim (int): hidden size (HF ``hidden_size``).
+        intermediate_dim (int): MLP hidden size (HF ``ffn_dim``).
+        max_seq_len (int): number of learned positions (HF ``max_position_embeddings``).
+        word_embed_proj_dim (Optional[int]): token-embedding width; when it differs from
+            ``embed_dim``, ``project_in``/``project_out`` map between them. Default None
+            (= ``embed_dim``).
+        pre_norm (bool): True for pre-LayerNorm layers and a final LayerNorm (HF
+            ``do_layer_norm_before=True``, e.g. OPT-125m); False for post-LayerNorm layers and
+            no final LayerNorm (OPT-350m). Default True.
+        attn_dropout (float): attention dropout probability. Default 0.0.
+        norm_eps (float): LayerNorm epsilon. Default 1e-5.
+
+    Returns:
+        OPTDecoder: the model, output projection tied to the token embedding.
+
+    Raises:
+        ValueError: if ``embed_dim`` is not divisible by ``num_heads``.
+    """
+    layers = nn.ModuleList(
+        [
+            _opt_layer(
+                attn=opt_self_attention(
+                    embed_dim=embed_dim,
+                    num_heads=num_heads,
+                    max_seq_len=max_seq_len,
+                    attn_dropout=attn_dropout,
+                ),
+                mlp=opt_mlp(dim=embed_dim, hidden_dim=intermediate_dim),
+                embed_dim=embed_dim,
+                pre_norm=pre_norm,
+                norm_eps=norm_eps,
+            )
+            for _ in range(num_layers)
+        ]
+    )
+    return _opt_decoder(
+        layers,
+        vocab_size=vocab_size,
+        num_heads=num_heads,
+        embed_dim=embed_dim,
+        max_seq_len=max_seq_len,
+        word_embed_proj_dim=word_embed_proj_dim,
+        pre_norm=pre_norm,
+        norm_eps=norm_eps,
+    )
+
+
+def opt_self_attention(
+    *,
+    embed_dim: int,
+    num_heads: int,
+    max_seq_len: int,
+    attn_dropout: float = 0.0,
+    q_proj: Optional[nn.Module] = None,
+    k_proj: Optional[nn.Module] = None,
+    v_proj: Optional[nn.Module] = None,
+    output_proj: Optional[nn.Module] = None,
+) -> MultiHeadAttention:
+    """OPT self-attention: multi-head, biases on all four projections, no rotary embedding.
+
+    Args:
+        embed_dim (int): hidden size.
+        num_heads (int): number of heads (OPT has no grouped-query attention).
+        max_seq_len (int): maximum sequence length.
+        attn_dropout (float): attention dropout probability. Default 0.0.
+        q_proj (Optional[nn.Module]): query projection; default ``nn.Linear`` with bias.
+        k_proj (Optional[nn.Module]): key projection; default ``nn.Linear`` with bias.
+        v_proj (Optional[nn.Module]): value projection; default ``nn.Linear`` with bias.
+        output_proj (Optional[nn.Module]): output projection; default ``nn.Linear`` with bias.
+
+    Returns:
+        MultiHeadAttention: the attention module.
+
+    Raises:
+        ValueError: if ``embed_dim`` is not divisible by ``num_heads``.
+    """
+    if embed_dim % num_heads != 0:
+        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+
+    def linear():
+        return nn.Linear(embed_dim, embed_dim, bias=True)
+
+    return MultiHeadAttention(
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=embed_dim // num_heads,
+        q_proj=q_proj if q_proj is not None else linear(),
+        k_proj=k_proj if k_proj is not None else linear(),
+        v_proj=v_proj if v_proj is not None else linear(),
+        output_proj=output_proj if output_proj is not None else linear(),
+        pos_embeddings=None,
+        max_seq_len=max_seq_len,
+        attn_dropout=attn_dropout,
+    )
+
+
+def opt_mlp(
+    *,
+    dim: int,
+    hidden_dim: int,
+    fc1: Optional[nn.Module] = None,
+    fc2: Optional[nn.Module] = None,
+) -> FeedForward:
+    """OPT MLP: ``fc2(relu(fc1(x)))`` as a :class:`~torchtune.modules.FeedForward` (fc1 = ``w1``,
+    fc2 = ``w2``, no ``w3``).
+
+    Args:
+        dim (int): input and output width.
+        hidden_dim (int): hidden width.
+        fc1 (Optional[nn.Module]): ``dim -> hidden_dim``; default ``nn.Linear`` with bias.
+        fc2 (Optional[nn.Module]): ``hidden_dim -> dim``; default ``nn.Linear`` with bias.
+
+    Returns:
+        FeedForward: the MLP.
+    """
+    return FeedForward(
+        gate_proj=fc1 if fc1 is not None else nn.Linear(dim, hidden_dim, bias=True),
+        down_proj=fc2 if fc2 is not None else nn.Linear(hidden_dim, dim, bias=True),
+        activation=nn.ReLU(),
+    )
+
+
+def lora_opt(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    word_embed_proj_dim: Optional[int] = None,
+    pre_norm: bool = True,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-5,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Build an OPT decoder with LoRA adapters on a subset of its linear layers.
+
+    The base weights keep the names and shapes of :func:`opt`'s, so a base state dict loads into
+    this model with ``strict=False`` and only adapter keys missing.
+
+    Args:
+        lora_attn_modules (List[LORA_ATTN_MODULES]): which attention projections get adapters,
+            a non-empty subset of ``["q_proj", "k_proj", "v_proj", "output_proj"]``.
+        apply_lora_to_mlp (bool): also adapt fc1 and fc2 (``mlp.w1``, ``mlp.w2``). Default False.
+        apply_lora_to_output (bool): must be False: OPT's output projection is tied to the token
+            embedding, so there is no separate layer to adapt. Default False.
+        vocab_size (int): as for :func:`opt`.
+        num_layers (int): as for :func:`opt`.
+        num_heads (int): as for :func:`opt`.
+        embed_dim (int): as for :func:`opt`.
+        intermediate_dim (int): as for :func:`opt`.
+        max_seq_len (int): as for :func:`opt`.
+        word_embed_proj_dim (Optional[int]): as for :func:`opt`. Default None.
+        pre_norm (bool): as for :func:`opt`. Default True.
+        attn_dropout (float): as for :func:`opt`. Default 0.0.
+        norm_eps (float): as for :func:`opt`. Default 1e-5.
+        lora_rank (int): rank of each adapter.
+        lora_alpha (float): adapter scaling factor (the update is scaled by ``alpha / rank``).
+        lora_dropout (float): dropout on the adapter input. Default 0.0.
+        use_dora (bool): must be False. torchtune 0.6.1's
+            :class:`~torchtune.modules.peft.DoRALinear` rescales the base layer's bias along with
+            its weight, unlike DoRA as published and as PEFT implements it, and its merged
+            checkpoint keeps the bias unscaled; every OPT linear has a bias, so the trained,
+            merged and PEFT-exported models would all differ. Default False.
+        quantize_base (bool): store the adapted layers' base weights in NF4 (QLoRA); each such
+            weight needs a number of elements divisible by 16384 (torchao's NF4 blocks).
+            Default False.
+
+    Returns:
+        OPTDecoder: the model. With ``quantize_base``, its state dict holds the NF4 weights
+        dequantized to the embedding's dtype, as torchtune's QLoRA models do.
+
+    Raises:
+        ValueError: if ``lora_attn_modules`` is empty or has unknown names, or if
+            ``apply_lora_to_output`` or ``use_dora`` is True.
+    """
+    known = ("q_proj", "k_proj", "v_proj", "output_proj")
+    if not lora_attn_modules or any(m not in known for m in lora_attn_modules):
+        raise ValueError(
+            f"lora_attn_modules must be a non-empty subset of {list(known)}, "
+            f"got {lora_attn_modules}"
+        )
+    if apply_lora_to_output:
+        raise ValueError(
+            "apply_lora_to_output is not supported for OPT: its output projection is tied to the "
+            "token embedding, so there is no separate output layer to adapt"
+        )
+    if use_dora:
+        raise ValueError(
+            "use_dora is not supported for OPT: torchtune's DoRALinear rescales the bias of the "
+            "base layer (every OPT linear has one), so training, the merged checkpoint and PEFT "
+            "would disagree"
+        )
+    adapter = partial(
+        LoRALinear,
+        rank=lora_rank,
+        alpha=lora_alpha,
+        dropout=lora_dropout,
+        use_bias=True,
+        quantize_base=quantize_base,
+    )
+
+    def attn_proj(name: str) -> Optional[nn.Module]:
+        return adapter(embed_dim, embed_dim) if name in lora_attn_modules else None
+
+    layers = nn.ModuleList()
+    for _ in range(num_layers):
+        attn = opt_self_attention(
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            max_seq_len=max_seq_len,
+            attn_dropout=attn_dropout,
+            q_proj=attn_proj("q_proj"),
+            k_proj=attn_proj("k_proj"),
+            v_proj=attn_proj("v_proj"),
+            output_proj=attn_proj("output_proj"),
+        )
+        if apply_lora_to_mlp:
+            mlp = opt_mlp(
+                dim=embed_dim,
+                hidden_dim=intermediate_dim,
+                fc1=adapter(embed_dim, intermediate_dim),
+                fc2=adapter(intermediate_dim, embed_dim),
+            )
+        else:
+            mlp = opt_mlp(dim=embed_dim, hidden_dim=intermediate_dim)
+        layers.append(
+            _opt_layer(
+                attn=attn, mlp=mlp, embed_dim=embed_dim, pre_norm=pre_norm, norm_eps=norm_eps
+            )
+        )
+
+    model = _opt_decoder(
+        layers,
+        vocab_size=vocab_size,
+        num_heads=num_heads,
+        embed_dim=embed_dim,
+        max_seq_len=max_seq_len,
+        word_embed_proj_dim=word_embed_proj_dim,
+        pre_norm=pre_norm,
+        norm_eps=norm_eps,
+    )
+    if quantize_base:
+        # As torchtune's QLoRA builders: state_dict() returns NF4 weights in the model's dtype
+        # (offloaded to CPU), so checkpoints stay in a plain format.
+        model._register_state_dict_hook(
+            partial(
+                reparametrize_as_dtype_state_dict_post_hook,
+                dtype=model.tok_embeddings.weight.dtype,
+                offload_to_cpu=True,
+            )
+        )
+    return model
+
+
+def _opt_layer(
+    *, attn: MultiHeadAttention, mlp: nn.Module, embed_dim: int, pre_norm: bool, norm_eps: float
+) -> TransformerSelfAttentionLayer:
+    layer_cls = TransformerSelfAttentionLayer if pre_norm else OPTPostNormLayer
+    return layer_cls(
+        attn=attn,
+        mlp=mlp,
+        sa_norm=nn.LayerNorm(embed_dim, eps=norm_eps),
+        mlp_norm=nn.LayerNorm(embed_dim, eps=norm_eps),
+    )
+
+
+def _opt_decoder(
+    layers: nn.ModuleList,
+    *,
+    vocab_size: int,
+    num_heads: int,
+    embed_dim: int,
+    max_seq_len: int,
+    word_embed_proj_dim: Optional[int],
+    pre_norm: bool,
+    norm_eps: float,
+) -> OPTDecoder:
+    word_dim = word_embed_proj_dim or embed_dim
+    tok_embeddings = nn.Embedding(vocab_size, word_dim)
+    projected = word_dim != embed_dim
+    return OPTDecoder(
+        tok_embeddings=tok_embeddings,
+        pos_embeddings=OPTLearnedPositionalEmbedding(max_seq_len, embed_dim),
+        layers=layers,
+        max_seq_len=max_seq_len,
+        num_heads=num_heads,
+        head_dim=embed_dim // num_heads,
+        norm=nn.LayerNorm(embed_dim, eps=norm_eps) if pre_norm else None,
+        output=TiedLinear(tok_embeddings),
+        project_in=nn.Linear(word_dim, embed_dim, bias=False) if projected else None,
+        project_out=nn.Linear(embed_dim, word_dim, bias=False) if projected else None,
+    )

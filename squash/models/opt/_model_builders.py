@@ -1,0 +1,232 @@
+"""Model builders for the OPT family (facebook/opt-*) and a tiny test model.
+
+The sizes are those of the published HF configs (``hidden_size``, ``num_hidden_layers``,
+``num_attention_heads``, ``ffn_dim``, ``word_embed_proj_dim``, ``do_layer_norm_before``,
+``max_position_embeddings``). ``opt_tiny`` matches ``assets/tiny_opt/config.json``, which
+``scripts/make_tiny_opt.py`` writes.
+"""
+
+from functools import partial
+from typing import List
+
+from torchtune.modules.peft import LORA_ATTN_MODULES
+
+from squash.models.opt._component_builders import lora_opt, opt
+from squash.models.opt._decoder import OPTDecoder
+
+_OPT_SIZES = {
+    "125m": dict(vocab_size=50_272, num_layers=12, num_heads=12, embed_dim=768,
+                 intermediate_dim=3072, max_seq_len=2048, word_embed_proj_dim=768, pre_norm=True),
+    "350m": dict(vocab_size=50_272, num_layers=24, num_heads=16, embed_dim=1024,
+                 intermediate_dim=4096, max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False),
+    "1_3b": dict(vocab_size=50_272, num_layers=24, num_heads=32, embed_dim=2048,
+                 intermediate_dim=8192, max_seq_len=2048, word_embed_proj_dim=2048, pre_norm=True),
+    "2_7b": dict(vocab_size=50_272, num_layers=32, num_heads=32, embed_dim=2560,
+                 intermediate_dim=10240, max_seq_len=2048, word_embed_proj_dim=2560, pre_norm=True),
+    "6_7b": dict(vocab_size=50_272, num_layers=32, num_heads=32, embed_dim=4096,
+                 intermediate_dim=16384, max_seq_len=2048, word_embed_proj_dim=4096, pre_norm=True),
+    # assets/tiny_opt: post-norm with project_in/out like 350m; every linear is a multiple of
+    # 16384 elements, so QLoRA (NF4) works on it.
+    "tiny": dict(vocab_size=1024, num_layers=2, num_heads=4, embed_dim=128,
+                 intermediate_dim=256, max_seq_len=256, word_embed_proj_dim=64, pre_norm=False),
+}  # fmt: skip
+
+
+def opt_125m() -> OPTDecoder:
+    """OPT-125m (pre-norm, 12 layers, hidden 768)."""
+    return opt(**_OPT_SIZES["125m"])
+
+
+def opt_350m() -> OPTDecoder:
+    """OPT-350m (post-norm, 24 layers, hidden 1024, token embeddings of width 512)."""
+    return opt(**_OPT_SIZES["350m"])
+
+
+def opt_1_3b() -> OPTDecoder:
+    """OPT-1.3b (pre-norm, 24 layers, hidden 2048)."""
+    return opt(**_OPT_SIZES["1_3b"])
+
+
+def opt_2_7b() -> OPTDecoder:
+    """OPT-2.7b (pre-norm, 32 layers, hidden 2560)."""
+    return opt(**_OPT_SIZES["2_7b"])
+
+
+def opt_6_7b() -> OPTDecoder:
+    """OPT-6.7b (pre-norm, 32 layers, hidden 4096)."""
+    return opt(**_OPT_SIZES["6_7b"])
+
+
+def opt_tiny() -> OPTDecoder:
+    """The tiny random-init OPT shipped in ``assets/tiny_opt`` (post-norm, 2 layers, hidden 128,
+    token embeddings of width 64, vocabulary 1024, 256 positions)."""
+    return opt(**_OPT_SIZES["tiny"])
+
+
+def lora_opt_125m(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Builder for OPT-125m with LoRA adapters; arguments as for :func:`lora_opt`."""
+    return lora_opt(
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+        **_OPT_SIZES["125m"],
+    )
+
+
+def lora_opt_350m(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Builder for OPT-350m with LoRA adapters; arguments as for :func:`lora_opt`."""
+    return lora_opt(
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+        **_OPT_SIZES["350m"],
+    )
+
+
+def lora_opt_1_3b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Builder for OPT-1.3b with LoRA adapters; arguments as for :func:`lora_opt`."""
+    return lora_opt(
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+        **_OPT_SIZES["1_3b"],
+    )
+
+
+def lora_opt_2_7b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Builder for OPT-2.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
+    return lora_opt(
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+        **_OPT_SIZES["2_7b"],
+    )
+
+
+def lora_opt_6_7b(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Builder for OPT-6.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
+    return lora_opt(
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+        **_OPT_SIZES["6_7b"],
+    )
+
+
+def lora_opt_tiny(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> OPTDecoder:
+    """Builder for the tiny OPT with LoRA adapters; arguments as for :func:`lora_opt`."""
+    return lora_opt(
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+        **_OPT_SIZES["tiny"],
+    )
+
+
+qlora_opt_125m = partial(lora_opt_125m, quantize_base=True)
+qlora_opt_125m.__doc__ = """Builder for OPT-125m with QLoRA: LoRA adapters on NF4 base weights.
+Please see `lora_opt_125m` for full API arguments."""
+
+qlora_opt_350m = partial(lora_opt_350m, quantize_base=True)
+qlora_opt_350m.__doc__ = """Builder for OPT-350m with QLoRA: LoRA adapters on NF4 base weights.
+Please see `lora_opt_350m` for full API arguments."""
+
+qlora_opt_1_3b = partial(lora_opt_1_3b, quantize_base=True)
+qlora_opt_1_3b.__doc__ = """Builder for OPT-1.3b with QLoRA: LoRA adapters on NF4 base weights.
+Please see `lora_opt_1_3b` for full API arguments."""
+
+qlora_opt_2_7b = partial(lora_opt_2_7b, quantize_base=True)
+qlora_opt_2_7b.__doc__ = """Builder for OPT-2.7b with QLoRA: LoRA adapters on NF4 base weights.
+Please see `lora_opt_2_7b` for full API arguments."""
+
+qlora_opt_6_7b = partial(lora_opt_6_7b, quantize_base=True)
+qlora_opt_6_7b.__doc__ = """Builder for OPT-6.7b with QLoRA: LoRA adapters on NF4 base weights.
+Please see `lora_opt_6_7b` for full API arguments."""
+
+qlora_opt_tiny = partial(lora_opt_tiny, quantize_base=True)
+qlora_opt_tiny.__doc__ = """Builder for the tiny OPT with QLoRA: LoRA adapters on NF4 base weights.
+Please see `lora_opt_tiny` for full API arguments."""

@@ -1,0 +1,176 @@
+"""lora_opt/qlora_opt: base weights load, zero-init adapters change nothing, merged and PEFT
+exports reproduce the adapted model; model builders have the published sizes."""
+
+import json
+
+import pytest
+import torch
+from torchtune.modules.peft import (
+    LoRALinear,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    validate_missing_and_unexpected_for_lora,
+)
+
+from squash.models import opt as opt_models
+from squash.models.opt import OPTCheckpointer, lora_opt, opt, opt_args_from_hf_config
+
+import transformers
+
+ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
+
+
+def _lora_from(args, rank=4, alpha=8.0, **kwargs):
+    return lora_opt(
+        ATTN, apply_lora_to_mlp=True, lora_rank=rank, lora_alpha=alpha, **args, **kwargs
+    )
+
+
+def _randomize_lora_b(model):
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.weight.normal_(std=0.05)
+
+
+def test_lora_base_weights_load_and_zero_adapters_change_nothing(make_hf, tmp_path):
+    hf = make_hf("350m_like")
+    hf.save_pretrained(tmp_path / "hf")
+    args = opt_args_from_hf_config(hf.config.to_dict())
+    base_sd = OPTCheckpointer(str(tmp_path / "hf"), ["model.safetensors"], str(tmp_path / "out"))
+    base_sd = base_sd.load_checkpoint()["model"]
+    base = opt(**args).eval()
+    base.load_state_dict(base_sd)
+    lora = _lora_from(args).eval()
+    missing, unexpected = lora.load_state_dict(base_sd, strict=False)
+    validate_missing_and_unexpected_for_lora(
+        ATTN, True, False, base_missing=missing, base_unexpected=unexpected
+    )
+    assert missing and all(".lora_" in k for k in missing)
+    tokens = torch.randint(3, 96, (2, 11))
+    with torch.no_grad():
+        assert (lora(tokens) - base(tokens)).abs().max() <= 1e-5
+
+        # Non-zero adapters: merging them into the base weights gives the same model.
+        _randomize_lora_b(lora)
+        adapted = lora(tokens)
+        assert (adapted - base(tokens)).abs().max() > 1e-3
+        merged = get_merged_lora_ckpt(dict(lora.state_dict()), rank=4, alpha=8.0)
+        base.load_state_dict(merged, strict=True)
+        assert (base(tokens) - adapted).abs().max() <= 1e-4
+
+
+def test_peft_loads_the_saved_adapter(make_hf, tmp_path):
+    """The PEFT adapter written by OPTCheckpointer, loaded by PEFT onto transformers' model, gives
+    the squash LoRA model's logits."""
+    import peft
+    hf = make_hf("125m_like")
+    hf.save_pretrained(tmp_path / "hf")
+    args = opt_args_from_hf_config(hf.config.to_dict())
+    checkpointer = OPTCheckpointer(
+        str(tmp_path / "hf"), ["model.safetensors"], str(tmp_path / "out")
+    )
+    lora = _lora_from(args).eval()
+    lora.load_state_dict(checkpointer.load_checkpoint()["model"], strict=False)
+    _randomize_lora_b(lora)
+    adapter_config = {
+        "r": 4,
+        "lora_alpha": 8.0,
+        "target_modules": get_lora_module_names(ATTN, True, False),
+        "peft_type": "LORA",
+    }
+    state = {"adapter": get_adapter_state_dict(lora.state_dict()), "adapter_config": adapter_config}
+    checkpointer.save_checkpoint(state, epoch=0, adapter_only=True)
+    out = tmp_path / "out" / "epoch_0"
+    assert not (out / "model.safetensors").exists()
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == [
+        "fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"
+    ]
+
+    peft_model = peft.PeftModel.from_pretrained(hf, str(out)).eval()
+    tokens = torch.randint(3, 96, (2, 9))
+    with torch.no_grad():
+        assert (peft_model(tokens).logits - lora(tokens)).abs().max() <= 1e-4
+
+
+def test_qlora_matches_base_with_dequantized_weights(make_hf, tmp_path):
+    """NF4 base weights: with zero adapters the QLoRA model equals a plain model holding the
+    dequantized weights (read back through the state-dict hook), and stays near the fp32 model."""
+    # Every adapted linear must hold a multiple of 16384 elements (torchao's NF4 blocks).
+    hf = make_hf(
+        "350m_like", hidden_size=128, word_embed_proj_dim=64, ffn_dim=256, num_hidden_layers=1
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    args = opt_args_from_hf_config(hf.config.to_dict())
+    base_sd = OPTCheckpointer(str(tmp_path / "hf"), ["model.safetensors"], str(tmp_path / "out"))
+    base_sd = base_sd.load_checkpoint()["model"]
+    qlora = _lora_from(args, quantize_base=True).eval()
+    missing, unexpected = qlora.load_state_dict(base_sd, strict=False)
+    validate_missing_and_unexpected_for_lora(
+        ATTN, True, False, base_missing=missing, base_unexpected=unexpected
+    )
+    assert type(qlora.layers[0].attn.q_proj.weight).__name__ == "NF4Tensor"
+
+    dequantized = opt(**args).eval()
+    qlora_sd = {k: v for k, v in qlora.state_dict().items() if ".lora_" not in k}
+    dequantized.load_state_dict(qlora_sd, strict=True)
+    full = opt(**args).eval()
+    full.load_state_dict(base_sd)
+    tokens = torch.randint(3, 96, (2, 10))
+    with torch.no_grad():
+        ours = qlora(tokens)
+        assert (ours - dequantized(tokens)).abs().max() <= 1e-4
+        # NF4 rounding moves the logits a little, not a lot.
+        relative_error = (ours - full(tokens)).norm() / full(tokens).norm()
+        assert 1e-4 < relative_error < 0.2
+
+
+def test_lora_argument_errors():
+    args = dict(
+        vocab_size=32, num_layers=1, num_heads=2, embed_dim=8, intermediate_dim=16, max_seq_len=8
+    )
+    with pytest.raises(ValueError, match="tied"):
+        lora_opt(["q_proj"], apply_lora_to_output=True, lora_rank=2, lora_alpha=4, **args)
+    with pytest.raises(ValueError, match="bias"):
+        lora_opt(["q_proj"], use_dora=True, lora_rank=2, lora_alpha=4, **args)
+    with pytest.raises(ValueError, match="subset"):
+        lora_opt([], lora_rank=2, lora_alpha=4, **args)
+    with pytest.raises(ValueError, match="divisible"):
+        opt(**{**args, "num_heads": 3})
+
+
+# Published configs (huggingface.co/facebook/opt-*/config.json).
+_PUBLISHED = {
+    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
+                 word_embed_proj_dim=768, do_layer_norm_before=True),
+    "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+                 word_embed_proj_dim=512, do_layer_norm_before=False),
+    "1_3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
+                 word_embed_proj_dim=2048, do_layer_norm_before=True),
+    "2_7b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, ffn_dim=10240,
+                 word_embed_proj_dim=2560, do_layer_norm_before=True),
+    "6_7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
+                 word_embed_proj_dim=4096, do_layer_norm_before=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("size", sorted(_PUBLISHED))
+def test_model_builders_have_published_shapes(size):
+    """Built on the meta device: every squash tensor has the shape of transformers' tensor."""
+    from squash.models.opt import opt_tune_to_hf
+
+    config = transformers.OPTConfig(
+        vocab_size=50272, max_position_embeddings=2048, **_PUBLISHED[size]
+    )
+    with torch.device("meta"):
+        theirs = transformers.OPTForCausalLM(config).state_dict()
+        ours = getattr(opt_models, f"opt_{size}")().state_dict()
+        lora = getattr(opt_models, f"lora_opt_{size}")(["q_proj", "v_proj"], lora_rank=8)
+    theirs = {k: tuple(v.shape) for k, v in theirs.items() if k != "lm_head.weight"}
+    assert {k: tuple(v.shape) for k, v in opt_tune_to_hf(ours).items()} == theirs
+    base_keys = {k for k in lora.state_dict() if ".lora_" not in k}
+    assert base_keys == set(ours)
+    qlora = getattr(opt_models, f"qlora_opt_{size}")
+    assert qlora.keywords == {"quantize_base": True} and qlora.__doc__
