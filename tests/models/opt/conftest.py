@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from squash.models.opt import OPTCheckpointer, opt, opt_args_from_hf_config  # noqa: E402
 

@@ -14,7 +14,7 @@ from torchtune.generation import (
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.training import set_activation_checkpointing
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 ATOL = 1e-4
 PAD = 1
