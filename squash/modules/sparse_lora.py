@@ -1,0 +1,386 @@
+"""``SparseLoRALinear``: torchtune's ``LoRALinear`` with one or both factors in FFI format.
+
+``y = base(x) + (alpha / rank) * lora_b(lora_a(dropout(x)))`` where ``base`` is a frozen dense or
+NF4 (QLoRA) linear layer and ``lora_a`` (``in_dim -> rank``) / ``lora_b`` (``rank -> out_dim``) are
+each an :class:`~squash.modules.FFILinear` or a bias-free ``nn.Linear``, as built by
+:func:`lora_factor`.
+"""
+
+import math
+from typing import List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# torchao 0.15 keeps NF4 in torchao.dtypes.nf4tensor (torchtune 0.6.1 imports it from there too;
+# nothing under torchao.prototype provides it), so there is no second location to fall back to.
+from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
+from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
+from torchtune.modules.peft import AdapterModule
+
+from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
+from squash.sparsity.ffi import fan_in_for, prune_to_ffi
+
+SPARSE_FACTORS = {"a": (True, False), "b": (False, True), "both": (True, True)}
+INITS = ("lora", "svd")
+
+
+def lora_factor(
+    in_features: int,
+    out_features: int,
+    sparsity: Optional[float],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+    generator: Optional[torch.Generator] = None,
+) -> nn.Module:
+    """One LoRA factor: an :class:`FFILinear` at ``sparsity``, or a dense bias-free ``nn.Linear``.
+
+    Args:
+        in_features (int): input width.
+        out_features (int): output width.
+        sparsity (Optional[float]): fraction of zeros in ``[0, 1)``; None for a dense factor.
+        dtype (Optional[torch.dtype]): parameter dtype.
+        device (Optional[torch.device]): parameter device.
+        generator (Optional[torch.Generator]): CPU generator for the FFI pattern and values.
+
+    Returns:
+        nn.Module: ``FFILinear(in_features, out_features, k)`` or ``nn.Linear(..., bias=False)``.
+    """
+    if sparsity is None:
+        return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+    k = fan_in_for(in_features, sparsity)
+    return FFILinear(in_features, out_features, k, dtype=dtype, device=device, generator=generator)
+
+
+class SparseLoRALinear(nn.Module, AdapterModule):
+    """LoRA linear layer whose adapter factors may be Fixed Fan-In sparse.
+
+    Behaves like :class:`torchtune.modules.peft.LoRALinear` (same base state-dict keys ``weight``
+    and ``bias``, ``disabled`` flag, dropout before ``lora_a``, ``scaling = alpha / rank``, NF4 base
+    through ``linear_nf4`` when ``quantize_base``); ``sparse_factor`` picks which of ``lora_a``
+    (``in_dim -> rank``) and ``lora_b`` (``rank -> out_dim``) are :class:`FFILinear`. Unlike
+    ``LoRALinear``, the base ``weight``/``bias`` are created with ``requires_grad=False``
+    (torchtune's ``set_trainable_params`` freezes them in a model anyway).
+
+    Initialisation:
+
+    - ``"lora"``: A Kaiming-uniform over its fan-in (``in_dim``, or ``k`` when sparse, with a
+      random pattern), B zero (when sparse: a random pattern with zero values), so the output
+      equals the base output at step 0.
+    - ``"svd"``: :meth:`initialize_from_pretrained` on the freshly drawn base weight. For a real
+      checkpoint call :meth:`initialize_from_pretrained` with the unquantized pretrained weight
+      after construction (see :func:`squash.modules.svd_initialize`).
+
+    Args:
+        in_dim (int): input width.
+        out_dim (int): output width.
+        rank (int): adapter rank ``r >= 1``.
+        alpha (float): LoRA scaling numerator; ``scaling = alpha / rank``.
+        sparsity (float): fraction of zeros of each sparse factor, in ``[0, 1)``. Default: 0.9
+        sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
+        dropout (float): dropout probability on the adapter input. Default: 0.0
+        use_bias (bool): whether the base layer has a bias. Default: False
+        quantize_base (bool): store the base weight as an NF4 tensor (QLoRA). Default: False
+        init (str): ``"lora"`` or ``"svd"``. Default: ``"lora"``
+        dtype (Optional[torch.dtype]): dtype of the base (before NF4) and adapter parameters.
+        device (Optional[torch.device]): where the module lives.
+        generator (Optional[torch.Generator]): CPU generator for FFI patterns and FFI values.
+        **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
+            with ``quantize_base``.
+
+    Raises:
+        ValueError: bad ``rank``, ``sparsity``, ``sparse_factor`` or ``init``, or quantization
+            arguments without ``quantize_base``.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        rank: int,
+        alpha: float,
+        sparsity: float = 0.9,
+        sparse_factor: str = "a",
+        dropout: float = 0.0,
+        use_bias: bool = False,
+        quantize_base: bool = False,
+        init: str = "lora",
+        *,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+        generator: Optional[torch.Generator] = None,
+        **quantization_kwargs,
+    ):
+        super().__init__()
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {rank!r}")
+        if sparse_factor not in SPARSE_FACTORS:
+            raise ValueError(
+                f"sparse_factor must be one of {sorted(SPARSE_FACTORS)}, got {sparse_factor!r}"
+            )
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        if not quantize_base and any(quantization_kwargs.values()):
+            raise ValueError(
+                f"quantize_base is False, but got quantization arguments {quantization_kwargs}"
+            )
+        self.in_dim = in_dim
+        self.out_dim = out_dim
+        self.rank = rank
+        self.alpha = alpha
+        self.sparsity = sparsity
+        self.sparse_factor = sparse_factor
+        self.use_bias = use_bias
+        self.init = init
+        self._quantize_base = quantize_base
+        self._quantization_kwargs = quantization_kwargs
+        self.disabled = False
+        self.merged = False
+
+        # The base is drawn as nn.Linear draws it (as LoRALinear does) and created frozen.
+        linear = nn.Linear(in_dim, out_dim, bias=use_bias, dtype=dtype, device=device)
+        bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if use_bias else None
+        self.register_parameter("weight", nn.Parameter(linear.weight.detach(), requires_grad=False))
+        self.register_parameter("bias", bias)
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
+        sparse_a, sparse_b = SPARSE_FACTORS[sparse_factor]
+        factory = dict(dtype=dtype, device=device, generator=generator)
+        self.lora_a = lora_factor(in_dim, rank, sparsity if sparse_a else None, **factory)
+        self.lora_b = lora_factor(rank, out_dim, sparsity if sparse_b else None, **factory)
+        self._init_lora_values(generator)  # the FFI factors drew their patterns already
+        if init == "svd" and not self.weight.is_meta:  # on meta there is nothing to factor yet
+            self.initialize_from_pretrained(self.weight)
+        if quantize_base:
+            self.weight = nn.Parameter(
+                to_nf4(self.weight.detach(), **quantization_kwargs), requires_grad=False
+            )
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / rank``."""
+        return self.alpha / self.rank
+
+    # ---- torchtune's AdapterModule interface and meta-device initialisation ---------------------
+    def adapter_params(self) -> List[str]:
+        """Names of the trainable adapter parameters (``lora_a.values`` or ``lora_a.weight``, ...).
+
+        These are what torchtune's ``get_adapter_params`` and ``set_trainable_params`` select;
+        ``get_adapter_params`` requires every name to be an ``nn.Parameter``, so the FFI indices
+        (buffers) are named by :meth:`adapter_buffers`. An adapter checkpoint holds both;
+        torchtune's ``get_adapter_state_dict`` keeps them all (every key contains ``lora``).
+        """
+        return [
+            f"{name}.{'values' if isinstance(factor, FFILinear) else 'weight'}"
+            for name, factor in (("lora_a", self.lora_a), ("lora_b", self.lora_b))
+        ]
+
+    def adapter_buffers(self) -> List[str]:
+        """Names of the FFI index buffers an adapter checkpoint must hold besides the parameters."""
+        return [
+            f"{name}.indices"
+            for name, factor in (("lora_a", self.lora_a), ("lora_b", self.lora_b))
+            if isinstance(factor, FFILinear)
+        ]
+
+    def to_empty(
+        self, *, device: Optional[Union[str, torch.device, int]], recurse: bool = True
+    ) -> "SparseLoRALinear":
+        """Materialise the adapter factors (not the base) on ``device``, as ``LoRALinear`` does."""
+        self.lora_a.to_empty(device=device, recurse=recurse)
+        self.lora_b.to_empty(device=device, recurse=recurse)
+        return self
+
+    def initialize_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """LoRA initialisation: fresh FFI patterns, A Kaiming-uniform over its fan-in, B zero."""
+        for factor in (self.lora_a, self.lora_b):
+            if isinstance(factor, FFILinear):
+                factor.reset_parameters(generator=generator)
+        self._init_lora_values(generator)
+
+    def _init_lora_values(self, generator: Optional[torch.Generator]) -> None:
+        if isinstance(self.lora_a, FFILinear):
+            self.lora_a.reset_values(generator=generator)
+        elif not self.lora_a.weight.is_meta:
+            kaiming_uniform_(self.lora_a.weight, self.in_dim, generator=generator)
+        with torch.no_grad():
+            _trainable(self.lora_b).zero_()
+
+    # ---- SVD initialisation -------------------------------------------------------------------
+    @torch.no_grad()
+    def initialize_from_pretrained(self, weight: torch.Tensor) -> None:
+        """Principal-component initialisation from a pretrained weight; the residual is the base.
+
+        With ``W = U S V^T`` and ``s = scaling``: ``B = U_r sqrt(S_r) / sqrt(s)`` and
+        ``A = sqrt(S_r) V_r^T / sqrt(s)``, so ``s * B @ A`` is the best rank-``r`` approximation of
+        ``W``. The sparse factor is pruned to FFI by magnitude; when the other factor is dense it
+        is refitted by least squares to the pruned one (``min ||W - s * B @ A_ffi||``), which only
+        lowers the residual. The base becomes ``W - s * B_dense @ A_dense`` (re-quantized to NF4
+        when ``quantize_base``; the bias is kept), so the module's output equals ``x W^T`` up to
+        the base's quantization error, which is smaller than that of ``NF4(W)`` when ``W`` has a
+        decaying spectrum. Computed in float32; a full SVD, so it costs what one SVD of ``W`` does.
+
+        Args:
+            weight (torch.Tensor): dense ``(out_dim, in_dim)`` pretrained weight (or an NF4 tensor,
+                dequantized first, which adds a second quantization error).
+
+        Raises:
+            ValueError: wrong shape, or ``rank > min(in_dim, out_dim)``.
+        """
+        if tuple(weight.shape) != (self.out_dim, self.in_dim):
+            raise ValueError(
+                f"pretrained weight shape {tuple(weight.shape)} != (out_dim, in_dim) = "
+                f"{(self.out_dim, self.in_dim)}"
+            )
+        if self.rank > min(self.in_dim, self.out_dim):
+            raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={self.rank}")
+        device = _trainable(self.lora_a).device
+        w = _dequantize(weight).to(device=device, dtype=torch.float32)  # (out, in)
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
+        root = s[: self.rank].sqrt() / math.sqrt(self.scaling)
+        b = u[:, : self.rank] * root  # (out, r)
+        a = root[:, None] * vh[: self.rank]  # (r, in)
+        sparse_a, sparse_b = SPARSE_FACTORS[self.sparse_factor]
+        if sparse_a:
+            a = _set_ffi(self.lora_a, a)
+        if sparse_b:
+            b = _set_ffi(self.lora_b, b)
+        if sparse_a and not sparse_b:  # refit B to the pruned A: (A^T) X = W^T, B = X^T / s
+            b = torch.linalg.lstsq(a.T, w.T).solution.T / self.scaling
+        elif sparse_b and not sparse_a:  # refit A to the pruned B: B X = W, A = X / s
+            a = torch.linalg.lstsq(b, w).solution / self.scaling
+        for factor, dense in ((self.lora_a, a), (self.lora_b, b)):
+            if not isinstance(factor, FFILinear):
+                factor.weight.copy_(dense)
+        residual = w - self.scaling * (b @ a)  # (out, in)
+        self.weight.copy_(residual.to(self.weight.dtype))  # NF4: quantizes in place
+
+    # ---- forward and export -------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            x (torch.Tensor): ``(..., in_dim)``.
+
+        Returns:
+            torch.Tensor: ``(..., out_dim)``.
+        """
+        if self._quantize_base:
+            out = linear_nf4(input=x, weight=self.weight)
+            if self.use_bias:
+                out = out + self.bias
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
+        lora_out = self.lora_b(self.lora_a(self.dropout(x)))
+        return out + self.scaling * lora_out
+
+    @torch.no_grad()
+    def dense_factors(self) -> tuple:
+        """``(A, B)`` as dense ``(rank, in_dim)`` and ``(out_dim, rank)`` tensors (for export)."""
+        return _dense_factor(self.lora_a).detach(), _dense_factor(self.lora_b).detach()
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Dense ``W + scaling * B_dense @ A_dense`` (``(out_dim, in_dim)``), NF4 dequantized.
+
+        Computed in float32 and returned in ``dtype`` (default: the adapter's dtype).
+        """
+        a, b = self.dense_factors()
+        w = _dequantize(self.weight).float() + self.scaling * (b.float() @ a.float())
+        return w.to(dtype or a.dtype)
+
+    def extra_repr(self) -> str:
+        base = "nf4" if self._quantize_base else "dense"
+        return (
+            f"in_dim={self.in_dim}, out_dim={self.out_dim}, rank={self.rank}, alpha={self.alpha}, "
+            f"sparse_factor={self.sparse_factor!r}, sparsity={self.sparsity}, base={base}, "
+            f"use_bias={self.use_bias}, init={self.init!r}"
+        )
+
+    # ---- model surgery --------------------------------------------------------------------------
+    @classmethod
+    def from_lora_linear(
+        cls,
+        lora: nn.Module,
+        *,
+        sparsity: float = 0.9,
+        sparse_factor: str = "a",
+        init: str = "lora",
+        generator: Optional[torch.Generator] = None,
+    ) -> "SparseLoRALinear":
+        """A ``SparseLoRALinear`` that shares ``lora``'s base ``weight``/``bias`` parameters.
+
+        Keeps rank, alpha, dropout probability, bias, the dense or NF4 base (the same
+        ``nn.Parameter`` objects, so loaded weights and any references stay valid), the
+        ``disabled`` flag and train/eval mode. The adapter factors are initialised afresh per
+        ``init`` (``"svd"`` factors the current base, dequantizing NF4), in the dtype and on the
+        device of ``lora.lora_a.weight``.
+
+        Args:
+            lora (nn.Module): a torchtune ``LoRALinear``.
+            sparsity (float): fraction of zeros of each sparse factor.
+            sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``.
+            init (str): ``"lora"`` or ``"svd"``.
+            generator (Optional[torch.Generator]): CPU generator for FFI patterns and values.
+
+        Returns:
+            SparseLoRALinear: the replacement module.
+        """
+        ref = lora.lora_a.weight
+        dropout = lora.dropout.p if isinstance(lora.dropout, nn.Dropout) else 0.0
+        # Build on the meta device so no throw-away base weight is drawn (or quantized), then
+        # take over the existing base and materialise only the adapter factors.
+        new = cls(
+            lora.in_dim,
+            lora.out_dim,
+            lora.rank,
+            lora.alpha,
+            sparsity=sparsity,
+            sparse_factor=sparse_factor,
+            dropout=dropout,
+            use_bias=lora.use_bias,
+            quantize_base=False,
+            init="lora",
+            dtype=ref.dtype,
+            device="meta",
+        )
+        new._quantize_base = lora._quantize_base
+        new.init = init
+        new.weight = lora.weight
+        new.bias = lora.bias
+        new.to_empty(device=ref.device)
+        new.initialize_parameters(generator=generator)
+        new.disabled = lora.disabled
+        new.merged = getattr(lora, "merged", False)
+        new.train(lora.training)
+        if init == "svd":
+            new.initialize_from_pretrained(lora.weight)
+        return new
+
+
+def _trainable(factor: nn.Module) -> torch.Tensor:
+    """The trainable tensor of a factor: ``values`` of an FFILinear, else ``weight``."""
+    return factor.values if isinstance(factor, FFILinear) else factor.weight
+
+
+def _dense_factor(factor: nn.Module) -> torch.Tensor:
+    return factor.to_dense() if isinstance(factor, FFILinear) else factor.weight
+
+
+def _dequantize(weight: torch.Tensor) -> torch.Tensor:
+    """A plain dense tensor: NF4 tensors are dequantized to their original dtype."""
+    if isinstance(weight, NF4Tensor):
+        return weight.get_original_weight()
+    return weight.detach()
+
+
+def _set_ffi(factor: FFILinear, dense: torch.Tensor) -> torch.Tensor:
+    """Prune ``dense`` to ``factor``'s fan-in, store it there, return the pruned dense matrix."""
+    values, indices = prune_to_ffi(dense, fan_in=factor.fan_in)
+    factor.indices.copy_(indices)
+    factor.values.copy_(values)
+    return torch.zeros_like(dense).scatter_(1, indices.long(), values)

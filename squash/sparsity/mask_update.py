@@ -1,0 +1,181 @@
+"""Dynamic sparsity at constant fan-in: prune and regrow each row of an FFI matrix.
+
+For each row, the ``n = round(drop_fraction * k)`` entries of smallest ``|value|`` are dropped and
+``n`` new columns are grown where the dense gradient ``|grad W|`` is largest among the columns
+that were *not* in the row before the update (so every update moves ``n`` entries; ``n`` is
+capped at ``in_features - k``). New entries start at zero. Rows stay sorted, so surviving values
+move to their new slots, and the optimizer state (every state tensor shaped like the parameter:
+AdamW's ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD's ``momentum_buffer``) moves with
+them; grown slots get zero state. Scalar state such as ``step`` is kept.
+
+Ties are broken towards lower columns, both when dropping (equal ``|value|``) and when growing
+(equal ``|grad|``), so an update is a deterministic function of its inputs. Without a dense
+gradient, growth is uniformly random among the absent columns (SET), drawn from ``generator``.
+
+The dense gradient of an FFI factor is ``grad_out^T @ x`` ``(out, in)``; an
+:class:`~squash.modules.FFILinear` records it when asked (``record_dense_grad``), see
+:func:`record_dense_grads`.
+"""
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from squash.sparsity.ffi import index_dtype, validate_ffi
+
+
+@torch.no_grad()
+def prune_and_regrow(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    dense_grad: Optional[torch.Tensor],
+    drop_fraction: float,
+    *,
+    in_features: Optional[int] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    generator: Optional[torch.Generator] = None,
+) -> int:
+    """Prune-and-regrow every row of one FFI matrix, in place.
+
+    Args:
+        values (torch.Tensor): ``(out, k)`` values; the ``nn.Parameter`` the optimizer holds.
+        indices (torch.Tensor): ``(out, k)`` sorted int16/int32 column ids; updated in place.
+        dense_grad (Optional[torch.Tensor]): ``(out, in)`` gradient of the logical dense matrix;
+            None grows at random absent columns.
+        drop_fraction (float): fraction of each row's ``k`` entries to replace, in ``[0, 1]``.
+        in_features (Optional[int]): width of the dense matrix; taken from ``dense_grad`` if given.
+        optimizer (Optional[torch.optim.Optimizer]): whose state for ``values`` is moved/reset.
+        generator (Optional[torch.Generator]): CPU generator for random growth.
+
+    Returns:
+        int: entries replaced per row.
+
+    Raises:
+        ValueError: bad arguments, or indices that break the FFI contract after the update.
+    """
+    if not 0.0 <= drop_fraction <= 1.0:
+        raise ValueError(f"drop_fraction must be in [0, 1], got {drop_fraction}")
+    if dense_grad is not None:
+        if in_features is not None and in_features != dense_grad.shape[1]:
+            raise ValueError(f"in_features={in_features} but dense_grad is {dense_grad.shape}")
+        in_features = dense_grad.shape[1]
+        if tuple(dense_grad.shape) != (values.shape[0], in_features):
+            raise ValueError(
+                f"dense_grad shape {tuple(dense_grad.shape)} != (out, in) = "
+                f"{(values.shape[0], in_features)}"
+            )
+    elif in_features is None:
+        raise ValueError("give in_features when dense_grad is None")
+    validate_ffi(values, indices, in_features, where="mask update (before)")
+    out, k = values.shape
+    n = min(round(drop_fraction * k), in_features - k)
+    if n == 0:
+        return 0
+    device = values.device
+    idx = indices.long()  # (out, k)
+
+    # Drop: the n smallest |value| slots per row (stable sort: ties drop the lower column).
+    order = torch.sort(values.abs().float(), dim=1, stable=True).indices  # (out, k)
+    keep_slots = torch.sort(order[:, n:], dim=1).values  # (out, k - n) old slots kept
+
+    # Grow: the n largest scores among columns absent before the update.
+    if dense_grad is None:
+        with torch.device("cpu"):
+            score = torch.rand(out, in_features, generator=generator).to(device)
+    else:
+        score = dense_grad.detach().abs().float()
+    present = torch.zeros(out, in_features, dtype=torch.bool, device=device)
+    present.scatter_(1, idx, True)
+    score = score.masked_fill(present, -1.0)  # scores are >= 0, so absent columns rank first
+    grown = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]  # (out, n)
+
+    # New sorted rows; src is the old slot of each new entry, or -1 for grown entries.
+    cols = torch.cat([torch.gather(idx, 1, keep_slots), grown], dim=1)  # (out, k)
+    src = torch.cat([keep_slots, torch.full_like(grown, -1)], dim=1)
+    cols, perm = torch.sort(cols, dim=1)
+    src = torch.gather(src, 1, perm)
+    is_new = src < 0
+    gather_src = src.clamp(min=0)
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return torch.gather(t, 1, gather_src).masked_fill(is_new, 0)
+
+    new_values = moved(values)
+    state = optimizer.state.get(values, {}) if optimizer is not None else {}
+    for tensor in state.values():
+        if isinstance(tensor, torch.Tensor) and tensor.shape == values.shape:
+            tensor.copy_(moved(tensor))
+    values.copy_(new_values)
+    indices.copy_(cols.to(index_dtype(in_features)))
+    validate_ffi(values, indices, in_features, where="mask update")
+    return n
+
+
+def record_dense_grads(model: nn.Module, enabled: bool = True) -> None:
+    """Turn dense-gradient recording on (or off, freeing it) for every FFILinear in ``model``.
+
+    Enable it before the forward/backward of the step that precedes a mask update; its cost is,
+    per FFI factor, one dense ``(out, in)`` weight and its gradient plus a dense matmul.
+    """
+    from squash.modules.ffi_linear import FFILinear  # squash.modules imports torchtune: lazy
+
+    for module in model.modules():
+        if isinstance(module, FFILinear):
+            module.record_dense_grad(enabled)
+
+
+def update_masks(
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    drop_fraction: float,
+    dense_grads: Optional[Dict[str, torch.Tensor]] = None,
+    *,
+    random_growth: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> Dict[str, int]:
+    """Prune and regrow every FFILinear in ``model`` (see :func:`prune_and_regrow`).
+
+    Dense gradients come from ``dense_grads`` (keyed by module name, e.g.
+    ``layers.0.attn.q_proj.lora_a``) or else from each module's recorded
+    :attr:`~squash.modules.FFILinear.dense_grad`. Recording is switched off afterwards.
+
+    Args:
+        model (nn.Module): a model containing FFILinear modules.
+        optimizer (Optional[torch.optim.Optimizer]): optimizer over the FFI values.
+        drop_fraction (float): fraction of each row's entries to replace.
+        dense_grads (Optional[Dict[str, torch.Tensor]]): ``(out, in)`` gradients by module name.
+        random_growth (bool): grow at random absent columns instead (no gradient needed).
+        generator (Optional[torch.Generator]): CPU generator for random growth.
+
+    Returns:
+        Dict[str, int]: entries replaced per row, by module name.
+
+    Raises:
+        ValueError: a module without a dense gradient (unless ``random_growth``).
+    """
+    from squash.modules.ffi_linear import FFILinear
+
+    replaced = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FFILinear):
+            continue
+        grad = None
+        if not random_growth:
+            grad = (dense_grads or {}).get(name, module.dense_grad)
+            if grad is None:
+                raise ValueError(
+                    f"no dense gradient for {name!r}: call record_dense_grads(model) before the "
+                    "forward/backward that precedes the mask update, or pass dense_grads"
+                )
+        replaced[name] = prune_and_regrow(
+            module.values,
+            module.indices,
+            grad,
+            drop_fraction,
+            in_features=module.in_features,
+            optimizer=optimizer,
+            generator=generator,
+        )
+        module.record_dense_grad(False)
+    return replaced

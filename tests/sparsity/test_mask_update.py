@@ -1,0 +1,165 @@
+"""Prune-and-regrow at constant fan-in against a brute-force loop and a hand-made case."""
+
+import pytest
+import torch
+
+from squash.modules import SparseLoRALinear
+from squash.sparsity import (
+    prune_and_regrow,
+    random_ffi_indices,
+    record_dense_grads,
+    update_masks,
+    validate_ffi,
+)
+
+
+def brute_force(values, indices, grad, drop_fraction):
+    """Row by row with Python lists: drop the smallest |v| (ties: lower column), grow the largest
+    |g| among columns absent before (ties: lower column), new entries zero."""
+    out, k = values.shape
+    in_features = grad.shape[1]
+    n = min(round(drop_fraction * k), in_features - k)
+    new_idx, new_val = [], []
+    for r in range(out):
+        row = list(zip(indices[r].tolist(), values[r].tolist(), strict=True))
+        by_mag = sorted(row, key=lambda cv: (abs(cv[1]), cv[0]))
+        kept = dict(by_mag[n:])
+        absent = [c for c in range(in_features) if c not in dict(row)]
+        grown = sorted(absent, key=lambda c: (-abs(grad[r, c].item()), c))[:n]
+        merged = sorted(list(kept.items()) + [(c, 0.0) for c in grown])
+        new_idx.append([c for c, _ in merged])
+        new_val.append([v for _, v in merged])
+    return torch.tensor(new_idx), torch.tensor(new_val, dtype=values.dtype)
+
+
+@pytest.mark.parametrize("drop_fraction", [0.0, 0.3, 0.5, 1.0])
+def test_matches_brute_force(drop_fraction):
+    g = torch.Generator().manual_seed(0)
+    out, in_features, k = 6, 30, 10
+    indices = random_ffi_indices(out, in_features, k, generator=g)
+    # Rounded values and gradients create ties, which must break towards lower columns.
+    values = torch.nn.Parameter(torch.randint(-3, 4, (out, k), generator=g).float())
+    grad = torch.randint(-4, 5, (out, in_features), generator=g).float()
+    exp_idx, exp_val = brute_force(values.detach(), indices, grad, drop_fraction)
+    n = prune_and_regrow(values, indices, grad, drop_fraction)
+    assert n == round(drop_fraction * k)
+    assert indices.tolist() == exp_idx.tolist()
+    assert values.detach().tolist() == exp_val.tolist()
+    validate_ffi(values, indices, in_features)  # fan-in, sorted, unique, in range
+
+
+def test_large_case_keeps_contract_and_changes_exactly_n():
+    g = torch.Generator().manual_seed(1)
+    out, in_features, k = 64, 500, 50
+    indices = random_ffi_indices(out, in_features, k, generator=g)
+    old = indices.clone()
+    values = torch.nn.Parameter(torch.randn(out, k, generator=g))
+    grad = torch.randn(out, in_features, generator=g)
+    prune_and_regrow(values, indices, grad, 0.2)
+    validate_ffi(values, indices, in_features)
+    assert indices.shape == (out, k) and indices.dtype == torch.int16
+    for r in range(out):
+        assert len(set(old[r].tolist()) - set(indices[r].tolist())) == 10  # round(0.2 * 50)
+
+
+def test_optimizer_state_moves_and_resets_by_hand():
+    values = torch.nn.Parameter(torch.tensor([[0.5, -0.1, 2.0, 0.05]]))
+    indices = torch.tensor([[1, 3, 5, 6]], dtype=torch.int16)
+    opt = torch.optim.AdamW([values], lr=0.1, amsgrad=True)
+    values.grad = torch.ones_like(values)
+    opt.step()
+    with torch.no_grad():
+        values.copy_(torch.tensor([[0.5, -0.1, 2.0, 0.05]]))
+    state = opt.state[values]
+    state["exp_avg"].copy_(torch.tensor([[10.0, 20.0, 30.0, 40.0]]))
+    state["exp_avg_sq"].copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    state["max_exp_avg_sq"].copy_(torch.tensor([[5.0, 6.0, 7.0, 8.0]]))
+    step = state["step"].clone()
+    # Column:      0    1(in) 2    3(in) 4    5(in) 6(in) 7
+    grad = torch.tensor([[0.0, 9.0, 0.8, 7.0, 0.8, 0.0, 0.1, 0.8]])
+    # Drop 2: |0.05| (col 6) and |-0.1| (col 3). Grow 2 among absent cols 0, 2, 4, 7: the |g| tie
+    # 0.8 at 2, 4, 7 goes to the lower columns 2 and 4 (col 3 had a large gradient but was present).
+    prune_and_regrow(values, indices, grad, 0.5, optimizer=opt)
+    assert indices.tolist() == [[1, 2, 4, 5]]
+    assert values.detach().tolist() == [[0.5, 0.0, 0.0, 2.0]]
+    assert state["exp_avg"].tolist() == [[10.0, 0.0, 0.0, 30.0]]
+    assert state["exp_avg_sq"].tolist() == [[1.0, 0.0, 0.0, 3.0]]
+    assert state["max_exp_avg_sq"].tolist() == [[5.0, 0.0, 0.0, 7.0]]
+    assert torch.equal(state["step"], step)
+    assert opt.param_groups[0]["params"][0] is values  # updated in place
+
+
+def test_deterministic_for_a_seed():
+    def run(seed, grad):
+        g = torch.Generator().manual_seed(3)
+        indices = random_ffi_indices(8, 40, 8, generator=g)
+        values = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+        prune_and_regrow(values, indices, grad, 0.5, in_features=40,
+                         generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        return indices, values.detach()
+
+    a, b, c = run(0, None), run(0, None), run(1, None)  # random growth (no gradient)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    grad = torch.randn(8, 40, generator=torch.Generator().manual_seed(4))
+    d, e = run(0, grad), run(1, grad)  # gradient growth ignores the generator
+    assert torch.equal(d[0], e[0]) and torch.equal(d[1], e[1])
+    validate_ffi(a[1], a[0], 40)
+
+
+def test_drop_is_capped_by_free_columns():
+    values = torch.nn.Parameter(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    indices = torch.tensor([[0, 1, 2, 4]], dtype=torch.int16)
+    grad = torch.zeros(1, 5)
+    assert prune_and_regrow(values, indices, grad, 1.0) == 1  # only column 3 is free
+    assert indices.tolist() == [[1, 2, 3, 4]] and values.detach().tolist() == [[2.0, 3.0, 0.0, 4.0]]
+
+
+def test_update_masks_uses_recorded_dense_gradients():
+    g = torch.Generator().manual_seed(5)
+    m = SparseLoRALinear(64, 48, rank=6, alpha=12.0, sparsity=0.75, sparse_factor="both",
+                         dtype=torch.float64, generator=g)  # fmt: skip
+    with torch.no_grad():
+        m.lora_b.values.copy_(torch.randn(m.lora_b.values.shape, generator=g))
+    model = torch.nn.Sequential(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    x = torch.randn(5, 64, dtype=torch.float64, generator=g)
+    grad_y = torch.randn(5, 48, dtype=torch.float64, generator=g)
+
+    with pytest.raises(ValueError, match="no dense gradient"):
+        update_masks(model, opt, 0.5)
+    record_dense_grads(model)
+    model(x).backward(grad_y)
+    # Independent dense gradients of A and B: dense autograd through the dense factors.
+    a = m.lora_a.to_dense().detach().requires_grad_(True)
+    b = m.lora_b.to_dense().detach().requires_grad_(True)
+    (m.scaling * (x @ a.T) @ b.T).backward(grad_y)
+    torch.testing.assert_close(m.lora_a.dense_grad, a.grad)
+    torch.testing.assert_close(m.lora_b.dense_grad, b.grad)
+
+    opt.step()  # the AdamW state exists; moved entries keep theirs, grown ones get zeros
+    expected = {}
+    for name, factor, dense in (("0.lora_a", m.lora_a, a.grad), ("0.lora_b", m.lora_b, b.grad)):
+        expected[name] = brute_force(factor.values.detach(), factor.indices, dense, 0.5)
+    replaced = update_masks(model, opt, 0.5)
+    assert replaced == {"0.lora_a": 8, "0.lora_b": 1}  # k = 16 and round(0.25 * 6) = 2
+    for name, factor in (("0.lora_a", m.lora_a), ("0.lora_b", m.lora_b)):
+        idx, val = expected[name]
+        assert factor.indices.tolist() == idx.tolist()
+        assert torch.equal(factor.values.detach(), val)
+        assert factor.dense_grad is None  # recording is switched off after the update
+        fresh = opt.state[factor.values]["exp_avg"] == 0
+        assert int(fresh.sum()) >= replaced[name] * factor.out_features
+
+
+def test_bad_arguments():
+    values = torch.nn.Parameter(torch.ones(2, 3))
+    indices = torch.tensor([[0, 1, 2], [1, 2, 3]], dtype=torch.int16)
+    with pytest.raises(ValueError, match="drop_fraction"):
+        prune_and_regrow(values, indices, torch.zeros(2, 4), 1.5)
+    with pytest.raises(ValueError, match="in_features"):
+        prune_and_regrow(values, indices, None, 0.5)
+    with pytest.raises(ValueError, match="dense_grad shape"):
+        prune_and_regrow(values, indices, torch.zeros(3, 4), 0.5)
+    with pytest.raises(ValueError, match="not sorted"):
+        prune_and_regrow(values, indices.flip(1), torch.zeros(2, 4), 0.5)
