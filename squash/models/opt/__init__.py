@@ -31,9 +31,25 @@ from squash.models.opt._model_builders import (
     qlora_opt_6_7b,
     qlora_opt_tiny,
 )
+from squash.models.opt._squash_builders import (
+    squash_opt,
+    squash_opt_125m,
+    squash_opt_1_3b,
+    squash_opt_2_7b,
+    squash_opt_350m,
+    squash_opt_6_7b,
+    squash_opt_tiny,
+)
 from squash.models.opt._tokenizer import OPTTokenizer, opt_tokenizer
 
 __all__ = [
+    "squash_opt",
+    "squash_opt_125m",
+    "squash_opt_1_3b",
+    "squash_opt_2_7b",
+    "squash_opt_350m",
+    "squash_opt_6_7b",
+    "squash_opt_tiny",
     "OPTCheckpointer",
     "OPTDecoder",
     "OPTLearnedPositionalEmbedding",
