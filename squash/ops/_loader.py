@@ -6,13 +6,13 @@ tried once per process and device type; on failure squash warns once and the pur
 reference serves that device. ``SQUASH_KERNELS=reference`` skips loading altogether.
 """
 
+import hashlib
 import os
+import platform
 import threading
 import warnings
 from pathlib import Path
 from typing import Optional
-
-import torch
 
 _SOURCES = {"cpu": ["ffi_cpu.cpp"], "cuda": ["ffi_cuda.cu"]}
 _state: dict[str, Optional[str]] = {}  # device type -> None (loaded) or the failure message
@@ -40,7 +40,8 @@ def build_flags(device_type: str) -> dict:
     """Compiler flags for ``torch.utils.cpp_extension.load`` for one device type."""
     if device_type == "cpu":
         return {
-            "extra_cflags": ["-O3", "-march=native", "-fopenmp", "-std=c++17"],
+            # No -std: cpp_extension passes the standard this torch's headers need.
+            "extra_cflags": ["-O3", "-march=native", "-fopenmp"],
             "extra_ldflags": ["-fopenmp"],
         }
     # No -std: cpp_extension picks the standard this torch's headers need (C++20 from torch 2.10,
@@ -49,13 +50,26 @@ def build_flags(device_type: str) -> dict:
     return {"extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3"]}
 
 
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and feature flags: CPU builds use ``-march=native``, so a
+    build cache shared by different machines must not hand one CPU's build to another."""
+    ident = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            ident += "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        pass
+    return hashlib.sha1(ident.encode()).hexdigest()[:8]
+
+
 def _compile(device_type: str) -> None:
     from torch.utils import cpp_extension
 
     src = kernels_dir()
     sources = [str(src / name) for name in _SOURCES[device_type]]
+    tag = f"_{_cpu_tag()}" if device_type == "cpu" else ""
     cpp_extension.load(
-        name=f"squash_ffi_{device_type}",
+        name=f"squash_ffi_{device_type}{tag}",
         sources=sources,
         extra_include_paths=[str(src)],
         is_python_module=False,

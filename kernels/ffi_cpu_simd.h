@@ -1,0 +1,177 @@
+// SIMD helpers for the FFI CPU kernels (ffi_cpu.cpp): 32-byte vector types, 8x8 block
+// transposes with dtype conversion, and an 8-way horizontal sum.
+//
+// The vector types are GCC/Clang vector extensions, so the micro-kernels compile to AVX2 FMA on
+// x86 (-march=native) and to the native vector unit elsewhere. The transposes and the 8-way sum
+// have AVX2/F16C versions for fp32 work on bf16/fp16/fp32 data, and portable scalar versions used
+// for fp64 and on other CPUs.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SQUASH_FFI_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace squash_ffi_cpu {
+
+typedef float vfloat __attribute__((vector_size(32)));
+typedef double vdouble __attribute__((vector_size(32)));
+
+// Vec<acc_t>::type: 32 bytes of acc_t; lanes values per vector.
+template <typename acc_t>
+struct Vec;
+template <>
+struct Vec<float> {
+  using type = vfloat;
+  static constexpr int lanes = 8;
+};
+template <>
+struct Vec<double> {
+  using type = vdouble;
+  static constexpr int lanes = 4;
+};
+
+template <typename V>
+inline V load_vec(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V>
+inline void store_vec(void* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+// d[c * ds + r] = s[r * ss + c] for r, c < 8, converting src_t -> dst_t (portable version).
+template <typename src_t, typename dst_t>
+inline void transpose8(const src_t* s, int64_t ss, dst_t* d, int64_t ds) {
+  dst_t b[8][8];
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c) b[c][r] = static_cast<dst_t>(s[r * ss + c]);
+  for (int c = 0; c < 8; ++c)
+    for (int r = 0; r < 8; ++r) d[c * ds + r] = b[c][r];
+}
+
+#ifdef SQUASH_FFI_AVX2
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// Round to nearest even, NaN -> 0x7FC0: the same bits as c10::BFloat16(float).
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                       nan));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+inline void transpose8_regs(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Into fp32 tiles from fp32/bf16/fp16 rows.
+template <typename src_t>
+inline void transpose8_to_float(const src_t* s, int64_t ss, float* d, int64_t ds) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(s + i * ss);
+  transpose8_regs(r);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(d + i * ds, r[i]);
+}
+template <>
+inline void transpose8<float, float>(const float* s, int64_t ss, float* d, int64_t ds) {
+  transpose8_to_float(s, ss, d, ds);
+}
+template <>
+inline void transpose8<c10::BFloat16, float>(const c10::BFloat16* s, int64_t ss, float* d,
+                                             int64_t ds) {
+  transpose8_to_float(s, ss, d, ds);
+}
+template <>
+inline void transpose8<c10::Half, float>(const c10::Half* s, int64_t ss, float* d, int64_t ds) {
+  transpose8_to_float(s, ss, d, ds);
+}
+
+// Out of fp32 blocks into bf16/fp16 rows.
+template <typename dst_t>
+inline void transpose8_from_float(const float* s, int64_t ss, dst_t* d, int64_t ds) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * ss);
+  transpose8_regs(r);
+  for (int i = 0; i < 8; ++i) store8(d + i * ds, r[i]);
+}
+template <>
+inline void transpose8<float, c10::BFloat16>(const float* s, int64_t ss, c10::BFloat16* d,
+                                             int64_t ds) {
+  transpose8_from_float(s, ss, d, ds);
+}
+template <>
+inline void transpose8<float, c10::Half>(const float* s, int64_t ss, c10::Half* d, int64_t ds) {
+  transpose8_from_float(s, ss, d, ds);
+}
+
+#endif  // SQUASH_FFI_AVX2
+
+// out[q] += sum of the lanes of p[q], q < 8 (p: 8 vectors of acc_t).
+template <typename V, typename acc_t>
+inline void add_hsum8(const V (&p)[8], acc_t* out) {
+  for (int q = 0; q < 8; ++q) {
+    acc_t s = 0;
+    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(acc_t)); ++l) s += p[q][l];
+    out[q] += s;
+  }
+}
+
+#ifdef SQUASH_FFI_AVX2
+template <>
+inline void add_hsum8<vfloat, float>(const vfloat (&p)[8], float* out) {
+  const __m256 h01 = _mm256_hadd_ps((__m256)p[0], (__m256)p[1]);
+  const __m256 h23 = _mm256_hadd_ps((__m256)p[2], (__m256)p[3]);
+  const __m256 h45 = _mm256_hadd_ps((__m256)p[4], (__m256)p[5]);
+  const __m256 h67 = _mm256_hadd_ps((__m256)p[6], (__m256)p[7]);
+  const __m256 a = _mm256_hadd_ps(h01, h23);  // sums 0..3: low halves | high halves
+  const __m256 b = _mm256_hadd_ps(h45, h67);  // sums 4..7
+  const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_add_ps(lo, hi)));
+}
+#endif
+
+}  // namespace squash_ffi_cpu
