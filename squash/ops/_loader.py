@@ -9,12 +9,15 @@ reference serves that device. ``SQUASH_KERNELS=reference`` skips loading altoget
 import hashlib
 import os
 import platform
+import shutil
+import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Optional
 
 _SOURCES = {"cpu": ["ffi_cpu.cpp"], "cuda": ["ffi_cuda.cu"]}
+_SOURCE_SUFFIXES = {".cpp", ".h", ".cu", ".cuh"}
 _state: dict[str, Optional[str]] = {}  # device type -> None (loaded) or the failure message
 _lock = threading.Lock()
 
@@ -62,10 +65,35 @@ def _cpu_tag() -> str:
     return hashlib.sha1(ident.encode()).hexdigest()[:8]
 
 
-def _compile(device_type: str) -> None:
+def stage_sources() -> Path:
+    """Copy the kernel sources into the build cache, in a folder named by their content hash.
+
+    Builds read the copy, so nothing is ever written into the package (on ROCm, hipify writes its
+    output beside its input), and an installed package may be read-only.
+    """
     from torch.utils import cpp_extension
 
     src = kernels_dir()
+    files = sorted(p for p in src.iterdir() if p.suffix in _SOURCE_SUFFIXES)
+    digest = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    staged = root / "squash_sources" / digest[:16]
+    if not staged.is_dir():
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=staged.parent, prefix=".staging-"))
+        for p in files:
+            shutil.copy2(p, tmp / p.name)
+        try:
+            os.replace(tmp, staged)  # atomic; another process may have staged it first
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return staged
+
+
+def _compile(device_type: str) -> None:
+    from torch.utils import cpp_extension
+
+    src = stage_sources()
     sources = [str(src / name) for name in _SOURCES[device_type]]
     tag = f"_{_cpu_tag()}" if device_type == "cpu" else ""
     cpp_extension.load(
