@@ -12,13 +12,10 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# torchao 0.15 keeps NF4 in torchao.dtypes.nf4tensor (torchtune 0.6.1 imports it from there too;
-# nothing under torchao.prototype provides it), so there is no second location to fall back to.
-from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
 from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 from torchtune.modules.peft import AdapterModule
 
+from squash.modules._nf4 import NF4Tensor, linear_nf4, to_nf4
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 

@@ -4,7 +4,7 @@ plain QLoRA (NF4 of the original weight)."""
 import pytest
 import torch
 from torch import nn
-from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+from squash.modules._nf4 import NF4Tensor, to_nf4
 from torchtune.modules.peft import LoRALinear
 
 from squash.modules import FFILinear, SparseLoRALinear
@@ -286,3 +286,25 @@ def test_compiles_fullgraph_with_nf4_base_and_ffi_factors():
     torch.testing.assert_close(y, eager)
     torch.testing.assert_close(m.lora_a.values.grad, grad)
     torch.testing.assert_close(y.double(), expected_output(m, x), atol=1e-5, rtol=1e-5)
+
+
+def test_nf4_import_falls_back_to_the_newer_torchao_location(monkeypatch):
+    """torchao >= 0.16 keeps NF4 under torchao.quantization; squash finds it there."""
+    import importlib
+    import sys
+    import types
+
+    import squash.modules._nf4 as nf4
+    import torchao.dtypes.nf4tensor as old
+
+    new = types.ModuleType("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    new.NF4Tensor, new.linear_nf4, new.to_nf4 = old.NF4Tensor, old.linear_nf4, old.to_nf4
+    monkeypatch.setitem(sys.modules, "torchao.dtypes.nf4tensor", None)  # import raises
+    monkeypatch.setitem(sys.modules, new.__name__, new)
+    try:
+        reloaded = importlib.reload(nf4)
+        assert (reloaded.NF4Tensor, reloaded.linear_nf4, reloaded.to_nf4) == (
+            old.NF4Tensor, old.linear_nf4, old.to_nf4)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(nf4)

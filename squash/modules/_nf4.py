@@ -1,0 +1,16 @@
+"""torchao's NF4 tensor, from whichever location this torchao has it in.
+
+torchao < 0.16 (what torchtune 0.6.1 needs) keeps NF4 in ``torchao.dtypes.nf4tensor``; later
+releases moved it to ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor``.
+"""
+
+try:
+    from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
+except ImportError:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # type: ignore
+        NF4Tensor,
+        linear_nf4,
+        to_nf4,
+    )
+
+__all__ = ["NF4Tensor", "linear_nf4", "to_nf4"]
