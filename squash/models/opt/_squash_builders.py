@@ -2,17 +2,17 @@
 
 Each builder builds the (Q)LoRA OPT of :mod:`._component_builders` / :mod:`._model_builders`
 and swaps every ``LoRALinear`` for a ``SparseLoRALinear`` with the same rank, alpha, dropout and
-base (:func:`~squash.modules.swap_lora_linear`). ``quantize_base=True`` by default: squash is QLoRA.
+base, through :func:`squash.models.squash_model`. ``quantize_base=True`` by default: squash is QLoRA.
 """
 
 from typing import List
 
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
+from squash.models._squash_builders import squash_model
 from squash.models.opt import _model_builders
 from squash.models.opt._component_builders import lora_opt
 from squash.models.opt._decoder import OPTDecoder
-from squash.modules import swap_lora_linear
 
 
 def squash_opt(
@@ -37,8 +37,15 @@ def squash_opt(
     Returns:
         OPTDecoder: the model, its adapted linears ``SparseLoRALinear``.
     """
-    model = lora_opt(lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, **kwargs)
-    return swap_lora_linear(model, sparsity=sparsity, sparse_factor=sparse_factor)
+    return squash_model(
+        lora_opt,
+        sparsity=sparsity,
+        sparse_factor=sparse_factor,
+        lora_attn_modules=lora_attn_modules,
+        apply_lora_to_mlp=apply_lora_to_mlp,
+        apply_lora_to_output=apply_lora_to_output,
+        **kwargs,
+    )
 
 
 def _squash_sized(lora_builder):
@@ -53,16 +60,18 @@ def _squash_sized(lora_builder):
         sparsity: float = 0.9,
         sparse_factor: str = "a",
     ) -> OPTDecoder:
-        model = lora_builder(
-            lora_attn_modules,
-            apply_lora_to_mlp,
-            apply_lora_to_output,
+        return squash_model(
+            lora_builder,
+            sparsity=sparsity,
+            sparse_factor=sparse_factor,
+            lora_attn_modules=lora_attn_modules,
+            apply_lora_to_mlp=apply_lora_to_mlp,
+            apply_lora_to_output=apply_lora_to_output,
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
             lora_dropout=lora_dropout,
             quantize_base=quantize_base,
         )
-        return swap_lora_linear(model, sparsity=sparsity, sparse_factor=sparse_factor)
 
     size = lora_builder.__name__.removeprefix("lora_opt_")
     builder.__name__ = builder.__qualname__ = f"squash_opt_{size}"
