@@ -1,0 +1,119 @@
+"""The ``squash`` command: ``squash ls`` and ``squash cp``, as torchtune's ``tune ls``/``tune cp``
+are for torchtune's own recipes and configs.
+
+Recipes are installed as top-level modules (``squash_finetune``), so ``tune run squash_finetune``
+finds them from any directory; configs ship inside the package (``squash._configs``). torchtune's
+``tune run`` cannot look a squash config up by name, so copy it out (``squash cp opt350m
+my.yaml``) or give its path.
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+# recipe module -> the configs that run it (names without .yaml)
+RECIPES: Dict[str, List[str]] = {
+    "squash_finetune": ["opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b"],
+}
+
+
+def config_dir() -> Path:
+    """Where the configs are: ``configs/`` of a checkout (editable install), else the
+    ``squash/_configs`` that a regular install ships."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "configs", here / "_configs"):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    raise FileNotFoundError(f"squash's configs are not installed (looked in {here})")
+
+
+def _config_names() -> List[str]:
+    return sorted(p.stem for p in config_dir().glob("*.yaml"))
+
+
+def _recipe_path(name: str) -> Optional[Path]:
+    spec = importlib.util.find_spec(name)
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _ls() -> int:
+    configs = _config_names()
+    listed = set()
+    print(f"{'RECIPE':<32} CONFIG")
+    for recipe, names in RECIPES.items():
+        names = [n for n in names if n in configs]
+        listed.update(names)
+        for i, name in enumerate(names or [""]):
+            print(f"{recipe if i == 0 else '':<32} {name}")
+    for name in configs:
+        if name not in listed:
+            print(f"{'':<32} {name}")
+    return 0
+
+
+def _cp(name: str, destination: str, force: bool) -> int:
+    if name.endswith(".yaml"):
+        name = name[: -len(".yaml")]
+    if name.endswith(".py"):
+        name = name[: -len(".py")]
+    if name in RECIPES:
+        source = _recipe_path(name)
+        if source is None:
+            print(f"squash cp: recipe module {name!r} is not installed", file=sys.stderr)
+            return 1
+        data, suffix = source.read_bytes(), ".py"
+    elif name in _config_names():
+        data = (config_dir() / f"{name}.yaml").read_bytes()
+        suffix = ".yaml"
+    else:
+        known = ", ".join(list(RECIPES) + _config_names())
+        print(f"squash cp: unknown recipe or config {name!r}; known: {known}", file=sys.stderr)
+        return 1
+    dest = Path(destination)
+    if dest.is_dir():
+        dest = dest / f"{name}{suffix}"
+    elif dest.suffix != suffix:
+        print(f"squash cp: copy {name!r} to a {suffix} file, got {destination}", file=sys.stderr)
+        return 1
+    if dest.exists() and not force:
+        print(f"squash cp: {dest} exists (use --force to replace it)", file=sys.stderr)
+        return 1
+    if not dest.parent.is_dir():
+        print(f"squash cp: directory {dest.parent} does not exist", file=sys.stderr)
+        return 1
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    print(f"Copied {name} to {dest}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``squash`` console script."""
+    parser = argparse.ArgumentParser(
+        prog="squash", description="List and copy squash's recipes and configs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", help="list recipes and their configs")
+    cp = sub.add_parser("cp", help="copy a recipe or config to a file or directory")
+    cp.add_argument("name", help="recipe (squash_finetune) or config (opt350m) name")
+    cp.add_argument("destination", help="file (.py for recipes, .yaml for configs) or directory")
+    cp.add_argument("--force", action="store_true", help="replace an existing file")
+    args = parser.parse_args(argv)
+    if args.command == "ls":
+        return _ls()
+    return _cp(args.name, args.destination, args.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

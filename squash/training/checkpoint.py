@@ -1,0 +1,366 @@
+"""Checkpoints of a squash fine-tune: what one directory holds, written atomically, and resume.
+
+A checkpoint directory (``output_dir/epoch_N`` at the end of epoch ``N``, ``output_dir/step_N``
+after global step ``N``) holds, all written into a hidden temporary directory inside
+``output_dir`` that is renamed into place only when complete (a run killed at any moment leaves
+either the whole directory or none):
+
+- ``squash_adapter.safetensors`` + ``squash_adapter_config.json``: the adapter as squash holds
+  it (FFI ``values`` and ``indices``, dense factors as ``weight``), keyed as in
+  ``model.state_dict()``, and how to rebuild the model (the ``model`` config block).
+- ``adapter_model.safetensors`` + ``adapter_config.json``: the adapter in PEFT's format, every
+  sparse factor written dense (``SparseLoRALinear.dense_factors()``), written by the model's
+  checkpointer (which knows the family's key names); ``adapter_model.pt`` holds the same dense
+  factors with torchtune's keys.
+- unless ``adapter_only``: the merged model (``SparseLoRALinear.merged_weight()``, NF4 bases
+  dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
+- ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
+- ``checkpoint.json``: epoch and global step; written last, so a directory with it is complete.
+"""
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SQUASH_ADAPTER_FILE = "squash_adapter.safetensors"
+SQUASH_ADAPTER_CONFIG_FILE = "squash_adapter_config.json"
+RECIPE_STATE_FILE = "recipe_state.pt"
+CHECKPOINT_META_FILE = "checkpoint.json"
+_TMP_PREFIX = ".squash-tmp-"
+
+
+# ---- what a model's adapters look like -----------------------------------------------------------
+def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """Every LoRA module of ``model`` by name: squash's ``SparseLoRALinear`` and torchtune's
+    ``LoRALinear`` (anything with ``lora_a``, ``lora_b``, ``scaling`` or ``alpha``/``rank``)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "lora_a") and hasattr(m, "lora_b") and hasattr(m, "rank")
+    }
+
+
+def _scaling(module: nn.Module) -> float:
+    return module.alpha / module.rank
+
+
+def _dense_factors(module: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(module, "dense_factors"):
+        return module.dense_factors()
+    return module.lora_a.weight.detach(), module.lora_b.weight.detach()
+
+
+def _base_weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    if hasattr(weight, "get_original_weight"):  # NF4
+        return weight.get_original_weight()
+    return weight.detach()
+
+
+def dense_adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Both factors of every adapter as dense tensors with ``LoRALinear``'s keys
+    (``<module>.lora_a.weight`` ``(rank, in)``, ``<module>.lora_b.weight`` ``(out, rank)``), on
+    the CPU: what PEFT and torchtune's checkpointers take."""
+    out = {}
+    for name, module in adapter_modules(model).items():
+        a, b = _dense_factors(module)
+        out[f"{name}.lora_a.weight"] = a.detach().cpu().contiguous()
+        out[f"{name}.lora_b.weight"] = b.detach().cpu().contiguous()
+    return out
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """The model's base state dict with every adapter merged, on the CPU, in ``dtype``.
+
+    Each adapted linear's ``weight`` becomes ``W + (alpha / rank) * B_dense @ A_dense`` computed
+    in float32 (``merged_weight()`` for ``SparseLoRALinear``; NF4 bases dequantized); adapter
+    keys are dropped; other floating tensors are cast to ``dtype``.
+    """
+    adapters = adapter_modules(model)
+    merged = {}
+    for name, module in adapters.items():
+        if hasattr(module, "merged_weight"):
+            merged[f"{name}.weight"] = module.merged_weight(dtype=torch.float32)
+        else:
+            a, b = _dense_factors(module)
+            merged[f"{name}.weight"] = _base_weight(module).float() + _scaling(module) * (
+                b.float() @ a.float()
+            )
+    out = {}
+    for key, value in model.state_dict().items():
+        if ".lora_a." in key or ".lora_b." in key or key.endswith(".magnitude"):
+            continue
+        value = merged.get(key, value)
+        if hasattr(value, "get_original_weight"):
+            value = value.get_original_weight()
+        value = value.detach().cpu()
+        out[key] = value.to(dtype) if value.is_floating_point() else value
+    return out
+
+
+# ---- writing --------------------------------------------------------------------------------------
+def _save_tensors(tensors: Dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+
+
+def write_checkpoint(
+    output_dir: Path,
+    name: str,
+    *,
+    checkpointer: Any,
+    squash_adapter: Dict[str, torch.Tensor],
+    squash_adapter_config: Dict[str, Any],
+    checkpointer_state: Dict[str, Any],
+    recipe_state: Dict[str, Any],
+    meta: Dict[str, Any],
+    adapter_only: bool,
+) -> Path:
+    """Write the checkpoint directory ``output_dir/name`` atomically (see the module docstring).
+
+    The model's ``checkpointer`` (``OPTCheckpointer`` or torchtune's HF checkpointer, anything that
+    writes ``<its output_dir>/epoch_{epoch}``) writes the merged model and the PEFT adapter into a
+    temporary directory; squash's files and the recipe state are added; the directory is renamed
+    into place, replacing an older one of the same name.
+
+    Args:
+        output_dir (Path): the run's output directory.
+        name (str): ``epoch_N`` or ``step_N``.
+        checkpointer (Any): the model's checkpointer.
+        squash_adapter (Dict[str, torch.Tensor]): squash's adapter tensors.
+        squash_adapter_config (Dict[str, Any]): how to rebuild the model and adapters.
+        checkpointer_state (Dict[str, Any]): what ``checkpointer.save_checkpoint`` takes
+            (``model``, ``adapter``, ``adapter_config``).
+        recipe_state (Dict[str, Any]): tensors and plain values for resume.
+        meta (Dict[str, Any]): ``epoch``/``global_step`` written to ``checkpoint.json``.
+        adapter_only (bool): leave out the merged model.
+
+    Returns:
+        Path: the checkpoint directory.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    final = output_dir / name
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}.", dir=output_dir))
+    try:
+        tmp.chmod(0o755)
+        inner = tmp / "epoch_0"  # where the checkpointer writes when its output_dir is tmp
+        saved_dir = checkpointer._output_dir
+        checkpointer._output_dir = tmp
+        try:
+            checkpointer.save_checkpoint(
+                checkpointer_state, epoch=0, intermediate_checkpoint=False,
+                adapter_only=adapter_only,
+            )  # fmt: skip
+        finally:
+            checkpointer._output_dir = saved_dir
+        if not inner.is_dir():
+            raise RuntimeError(f"{type(checkpointer).__name__} wrote nothing into {inner}")
+        _save_tensors(squash_adapter, inner / SQUASH_ADAPTER_FILE)
+        (inner / SQUASH_ADAPTER_CONFIG_FILE).write_text(
+            json.dumps(squash_adapter_config, indent=2, sort_keys=True)
+        )
+        torch.save(recipe_state, inner / RECIPE_STATE_FILE)
+        (inner / CHECKPOINT_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _fsync_dir(inner)
+        _replace_dir(inner, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first and removed after."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f"{_TMP_PREFIX}{dst.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_stale_temporaries(output_dir: Path) -> List[str]:
+    """Remove what an interrupted save left in ``output_dir``: half-written temporary
+    directories, and restore a checkpoint that was moved aside when its replacement never
+    arrived. Returns what was done, one line per directory."""
+    done = []
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return done
+    for path in sorted(output_dir.glob(f"{_TMP_PREFIX}*")):
+        if path.name.endswith(".old") and path.is_dir():
+            target = output_dir / path.name[len(_TMP_PREFIX) : -len(".old")]
+            if not target.exists() and (path / CHECKPOINT_META_FILE).is_file():
+                os.replace(path, target)
+                done.append(f"restored {target.name} from an interrupted replacement")
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        done.append(f"removed the incomplete {path.name}")
+    for line in done:
+        log.warning("%s: %s", output_dir, line)
+    return done
+
+
+def prune_step_checkpoints(output_dir: Path, keep_last_n: Optional[int]) -> List[Path]:
+    """Delete all but the newest ``keep_last_n`` ``step_N`` directories (None keeps all)."""
+    if keep_last_n is None:
+        return []
+    steps = sorted(_numbered(Path(output_dir), "step_"), key=lambda p: p[0])
+    doomed = [path for _, path in steps[: max(0, len(steps) - keep_last_n)]]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def _numbered(output_dir: Path, prefix: str) -> List[Tuple[int, Path]]:
+    found = []
+    for path in output_dir.glob(f"{prefix}*"):
+        suffix = path.name[len(prefix) :]
+        if path.is_dir() and suffix.isdigit():
+            found.append((int(suffix), path))
+    return found
+
+
+# ---- reading --------------------------------------------------------------------------------------
+def latest_checkpoint(output_dir: Path) -> Optional[Path]:
+    """The complete checkpoint directory (``epoch_N`` or ``step_N``) with the highest global
+    step in ``output_dir``, or None. An epoch checkpoint wins a tie with a step checkpoint."""
+    best, best_key = None, None
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    for prefix in ("step_", "epoch_"):
+        for _, path in _numbered(output_dir, prefix):
+            meta = read_meta(path)
+            if meta is None:
+                continue
+            key = (int(meta["global_step"]), prefix == "epoch_")
+            if best_key is None or key > best_key:
+                best, best_key = path, key
+    return best
+
+
+def read_meta(path: Path) -> Optional[Dict[str, Any]]:
+    """``checkpoint.json`` of a checkpoint directory, or None if it is absent or unreadable."""
+    try:
+        meta = json.loads((Path(path) / CHECKPOINT_META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("global_step"), int):
+        return None
+    return meta
+
+
+def load_squash_adapter(path: Path) -> Dict[str, torch.Tensor]:
+    """Read ``squash_adapter.safetensors`` from a checkpoint directory (or the file itself).
+
+    Raises:
+        FileNotFoundError: if it does not exist.
+        ValueError: if it cannot be read as safetensors.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / SQUASH_ADAPTER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No squash adapter at {path}")
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise ValueError(f"Cannot read the squash adapter {path}: {e}") from e
+
+
+def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
+    """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
+
+    Shapes, dtypes of indices and the FFI rules are checked by the modules' own state-dict
+    loading (``FFILinear`` validates its indices).
+
+    Raises:
+        ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
+    """
+    own = model.state_dict()
+    expected = {k for k in own if ".lora_a." in k or ".lora_b." in k}
+    missing, unexpected = sorted(expected - adapter.keys()), sorted(adapter.keys() - expected)
+    wrong = sorted(
+        f"{k}: {tuple(adapter[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+        for k in expected & adapter.keys()
+        if tuple(adapter[k].shape) != tuple(own[k].shape)
+    )
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"The adapter in {source} does not fit the model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}, wrong shapes {wrong[:5]}"
+        )
+    try:
+        model.load_state_dict(adapter, strict=False)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"The adapter in {source} is invalid: {e}") from e
+
+
+def load_recipe_state(path: Path) -> Dict[str, Any]:
+    """``recipe_state.pt`` of a checkpoint directory, through ``torch.load(weights_only=True)``.
+
+    Raises:
+        FileNotFoundError: if it does not exist.
+        ValueError: if it cannot be loaded safely or is not a dict.
+    """
+    path = Path(path) / RECIPE_STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No recipe state at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"Cannot load {path} with torch.load(weights_only=True): {e}") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} does not hold a dict")
+    return state
+
+
+# ---- RNG ------------------------------------------------------------------------------------------
+def rng_state(device: torch.device) -> Dict[str, Any]:
+    """Python's and torch's RNG states (CPU, and the accelerator's when ``device`` is one)."""
+    state = {"python": random.getstate(), "torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["torch_cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch_cpu"])
+    if device.type == "cuda" and "torch_cuda" in state:
+        torch.cuda.set_rng_state(state["torch_cuda"], device)
+
+
+def call_with_accepted(fn: Callable, **kwargs) -> Any:
+    """Call ``fn`` with the keyword arguments its signature accepts."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})

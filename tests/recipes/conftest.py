@@ -1,0 +1,50 @@
+"""Helpers for the recipe tests: run the real ``tune run`` and read what the run logged."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CONFIG = REPO / "configs" / "opt_tiny.yaml"
+TUNE = str(Path(sys.executable).with_name("tune"))
+
+# Small, quick runs of configs/opt_tiny.yaml: 4 samples a step.
+QUICK = ["batch_size=4", "log_every_n_steps=1"]
+
+
+def tune_run(output_dir: Path, *overrides: str, recipe: str = "squash_finetune",
+             config: Path = TINY_CONFIG, cwd: Path = REPO, check: bool = True,
+             timeout: int = 600) -> subprocess.CompletedProcess:
+    """``tune run RECIPE --config CONFIG output_dir=... OVERRIDES`` in ``cwd``."""
+    cmd = [TUNE, "run", recipe, "--config", str(config), f"output_dir={output_dir}", *QUICK,
+           *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def logged(output_dir: Path, key: str = "loss") -> Dict[int, float]:
+    """``{step: value}`` of ``key`` from the DiskLogger files of a run (later files win)."""
+    values: Dict[int, float] = {}
+    files: List[Path] = sorted((output_dir / "logs").glob("log_*.txt"), key=os.path.getmtime)
+    for path in files:
+        for line in path.read_text().splitlines():
+            m = re.match(r"Step (\d+) \| (.*)", line)
+            if not m:
+                continue
+            fields = dict(item.split(":", 1) for item in m.group(2).split())
+            if key in fields:
+                values[int(m.group(1))] = float(fields[key])
+    return values
+
+
+@pytest.fixture
+def run():
+    return tune_run
