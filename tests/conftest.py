@@ -1,4 +1,4 @@
-"""Shared test set-up: deterministic seeds and a quiet, bounded thread pool."""
+"""Shared test set-up: every test starts from the same global seed."""
 
 import pytest
 import torch

@@ -1,4 +1,6 @@
-"""The Fixed Fan-In (FFI) sparse format and mask updates."""
+"""The Fixed Fan-In (FFI) sparse format: fan-in arithmetic, pruning to FFI, dense <-> FFI and
+validation. This package imports nothing else of squash (mask updates, which work on modules and
+optimizers, live in :mod:`squash.training`)."""
 
 from squash.sparsity.ffi import (
     fan_in_for,
@@ -8,16 +10,12 @@ from squash.sparsity.ffi import (
     random_ffi_indices,
     validate_ffi,
 )
-from squash.sparsity.mask_update import prune_and_regrow, record_dense_grads, update_masks
 
 __all__ = [
     "fan_in_for",
     "ffi_to_dense",
     "index_dtype",
-    "prune_and_regrow",
     "prune_to_ffi",
     "random_ffi_indices",
-    "record_dense_grads",
-    "update_masks",
     "validate_ffi",
 ]

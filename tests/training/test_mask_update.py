@@ -1,15 +1,20 @@
-"""Prune-and-regrow at constant fan-in against a brute-force loop and a hand-made case."""
+"""Prune-and-regrow at constant fan-in against a brute-force loop and hand-made cases; the
+cosine drop-fraction schedule against hand-computed values."""
+
+import ast
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from squash.modules import SparseLoRALinear
-from squash.sparsity import (
+from squash.sparsity import random_ffi_indices, validate_ffi
+from squash.training import (
+    cosine_drop_fraction,
     prune_and_regrow,
-    random_ffi_indices,
     record_dense_grads,
     update_masks,
-    validate_ffi,
 )
 
 
@@ -138,9 +143,18 @@ def test_update_masks_uses_recorded_dense_gradients():
     torch.testing.assert_close(m.lora_b.dense_grad, b.grad)
 
     opt.step()  # the AdamW state exists; moved entries keep theirs, grown ones get zeros
-    expected = {}
+    expected, old_moments = {}, {}
     for name, factor, dense in (("0.lora_a", m.lora_a, a.grad), ("0.lora_b", m.lora_b, b.grad)):
         expected[name] = brute_force(factor.values.detach(), factor.indices, dense, 0.5)
+        state = opt.state[factor.values]
+        # Each row's moments by column, before the update: {column: (exp_avg, exp_avg_sq)}.
+        old_moments[name] = [
+            {
+                int(c): (float(state["exp_avg"][r, j]), float(state["exp_avg_sq"][r, j]))
+                for j, c in enumerate(factor.indices[r].tolist())
+            }
+            for r in range(factor.out_features)
+        ]
     replaced = update_masks(model, opt, 0.5)
     assert replaced == {"0.lora_a": 8, "0.lora_b": 1}  # k = 16 and round(0.25 * 6) = 2
     for name, factor in (("0.lora_a", m.lora_a), ("0.lora_b", m.lora_b)):
@@ -148,18 +162,100 @@ def test_update_masks_uses_recorded_dense_gradients():
         assert factor.indices.tolist() == idx.tolist()
         assert torch.equal(factor.values.detach(), val)
         assert factor.dense_grad is None  # recording is switched off after the update
-        fresh = opt.state[factor.values]["exp_avg"] == 0
-        assert int(fresh.sum()) >= replaced[name] * factor.out_features
+        # A kept column's moments moved with it to its new slot; a grown column's are zero.
+        state, moved = opt.state[factor.values], 0
+        for r in range(factor.out_features):
+            for j, c in enumerate(factor.indices[r].tolist()):
+                old = old_moments[name][r].get(int(c), (0.0, 0.0))
+                assert (float(state["exp_avg"][r, j]), float(state["exp_avg_sq"][r, j])) == old
+                moved += int(c) in old_moments[name][r]
+        k = factor.fan_in
+        assert moved == (k - replaced[name]) * factor.out_features
+        assert any(old != (0.0, 0.0) for row in old_moments[name] for old in row.values())
 
 
 def test_bad_arguments():
     values = torch.nn.Parameter(torch.ones(2, 3))
     indices = torch.tensor([[0, 1, 2], [1, 2, 3]], dtype=torch.int16)
-    with pytest.raises(ValueError, match="drop_fraction"):
-        prune_and_regrow(values, indices, torch.zeros(2, 4), 1.5)
+    for bad in (1.5, -0.1, float("nan"), "0.5", None):
+        with pytest.raises(ValueError, match="drop_fraction"):
+            prune_and_regrow(values, indices, torch.zeros(2, 4), bad)
+        with pytest.raises(ValueError, match="drop_fraction"):
+            update_masks(torch.nn.Linear(2, 2), None, bad)  # even with nothing to update
+    with pytest.raises(ValueError, match="in_features"):
+        prune_and_regrow(values, indices, None, 0.5, in_features=0)
+    with pytest.raises(ValueError, match="random_growth"):
+        update_masks(torch.nn.Linear(2, 2), None, 0.5, random_growth="yes")
+    with pytest.raises(ValueError, match="enabled"):
+        record_dense_grads(torch.nn.Linear(2, 2), enabled="no")
+    for kwargs, name in [(dict(step=-1), "step"), (dict(until_step=0), "until_step"),
+                         (dict(drop_fraction=1.2), "drop_fraction")]:  # fmt: skip
+        args = dict(step=0, drop_fraction=0.3, until_step=10) | kwargs
+        with pytest.raises(ValueError, match=name):
+            cosine_drop_fraction(**args)
     with pytest.raises(ValueError, match="in_features"):
         prune_and_regrow(values, indices, None, 0.5)
     with pytest.raises(ValueError, match="dense_grad shape"):
         prune_and_regrow(values, indices, torch.zeros(3, 4), 0.5)
     with pytest.raises(ValueError, match="not sorted"):
         prune_and_regrow(values, indices.flip(1), torch.zeros(2, 4), 0.5)
+
+
+def test_full_drop_on_both_sparse_factors_is_refused():
+    """drop_fraction=1.0 with both factors FFI would zero both, and zero factors get zero
+    gradients forever: refused before anything changes. One dense factor regrows the other."""
+    g = torch.Generator().manual_seed(6)
+    m = SparseLoRALinear(32, 24, rank=4, alpha=8.0, sparsity=0.5, sparse_factor="both",
+                         generator=g)  # fmt: skip
+    with torch.no_grad():
+        m.lora_b.values.copy_(torch.randn(m.lora_b.values.shape, generator=g))
+    model = torch.nn.Sequential(m)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"drop_fraction=1\.0.*'0'.*never trains"):
+        update_masks(model, None, 1.0, random_growth=True, generator=g)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    # What the refusal prevents: both factors all zero give zero gradients to both.
+    x = torch.randn(5, 32, generator=g)
+    with torch.no_grad():
+        m.lora_a.values.zero_()
+        m.lora_b.values.zero_()
+    m(x).sum().backward()
+    assert not m.lora_a.values.grad.any() and not m.lora_b.values.grad.any()
+
+    # With a dense B, replacing all of A is allowed and A gets a gradient again at once.
+    m = SparseLoRALinear(32, 24, rank=4, alpha=8.0, sparsity=0.5, sparse_factor="a", generator=g)
+    with torch.no_grad():
+        m.lora_b.weight.copy_(torch.randn(m.lora_b.weight.shape, generator=g))
+    assert update_masks(torch.nn.Sequential(m), None, 1.0, random_growth=True) == {"0.lora_a": 16}
+    assert not m.lora_a.values.any()
+    m(x).sum().backward()
+    assert m.lora_a.values.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize(
+    "step, expected",
+    [
+        (0, 0.3),  # cos(0) = 1: the full fraction
+        (25, 0.15 * (1 + 2**-0.5)),  # cos(pi / 4) = 1 / sqrt(2)
+        (50, 0.15),  # cos(pi / 2) = 0: half
+        (75, 0.15 * (1 - 2**-0.5)),
+        (100, 0.0),  # at until_step and after: no more updates
+        (150, 0.0),
+    ],
+)
+def test_cosine_drop_fraction_by_hand(step, expected):
+    assert math.isclose(cosine_drop_fraction(step, 0.3, 100), expected, abs_tol=1e-12)
+
+
+def test_sparsity_package_imports_nothing_else_of_squash():
+    package = Path(__file__).resolve().parents[2] / "squash" / "sparsity"
+    imported = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    squash_imports = {name for name in imported if name.split(".")[0] == "squash"}
+    assert squash_imports and all(n.startswith("squash.sparsity") for n in squash_imports)

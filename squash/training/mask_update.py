@@ -17,12 +17,40 @@ The dense gradient of an FFI factor is ``grad_out^T @ x`` ``(out, in)``; an
 :func:`record_dense_grads`.
 """
 
+import math
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
+from squash._checks import check_int, check_real
+from squash.modules import FFILinear, SparseLoRALinear
 from squash.sparsity.ffi import index_dtype, validate_ffi
+
+
+def cosine_drop_fraction(step: int, drop_fraction: float, until_step: int) -> float:
+    """RigL's cosine-decayed drop fraction for the mask update at ``step``.
+
+    ``drop_fraction / 2 * (1 + cos(pi * step / until_step))`` before ``until_step``. It starts at ``drop_fraction`` at step 0, halves at ``until_step / 2`` and is 0 at and after
+    ``until_step`` (no more mask updates).
+
+    Args:
+        step (int): the optimizer step of the update, ``>= 0``.
+        drop_fraction (float): the initial fraction, in ``[0, 1]``.
+        until_step (int): the step from which the fraction is 0, ``>= 1``.
+
+    Returns:
+        float: the drop fraction for ``step``.
+
+    Raises:
+        ValueError: naming an argument out of range.
+    """
+    step = check_int("step", step, minimum=0)
+    drop_fraction = check_real("drop_fraction", drop_fraction, low=0.0, high=1.0)
+    until_step = check_int("until_step", until_step, minimum=1)
+    if step >= until_step:
+        return 0.0
+    return drop_fraction / 2 * (1 + math.cos(math.pi * step / until_step))
 
 
 @torch.no_grad()
@@ -54,8 +82,9 @@ def prune_and_regrow(
     Raises:
         ValueError: bad arguments, or indices that break the FFI contract after the update.
     """
-    if not 0.0 <= drop_fraction <= 1.0:
-        raise ValueError(f"drop_fraction must be in [0, 1], got {drop_fraction}")
+    drop_fraction = check_real("drop_fraction", drop_fraction, low=0.0, high=1.0)
+    if in_features is not None:
+        in_features = check_int("in_features", in_features)
     if dense_grad is not None:
         if in_features is not None and in_features != dense_grad.shape[1]:
             raise ValueError(f"in_features={in_features} but dense_grad is {dense_grad.shape}")
@@ -69,7 +98,7 @@ def prune_and_regrow(
         raise ValueError("give in_features when dense_grad is None")
     validate_ffi(values, indices, in_features, where="mask update (before)")
     out, k = values.shape
-    n = min(round(drop_fraction * k), in_features - k)
+    n = _entries_replaced(drop_fraction, k, in_features)
     if n == 0:
         return 0
     device = values.device
@@ -112,14 +141,23 @@ def prune_and_regrow(
     return n
 
 
+def _entries_replaced(drop_fraction: float, k: int, in_features: int) -> int:
+    """Entries of each row that an update replaces: ``round(drop_fraction * k)``, at most the
+    number of absent columns."""
+    return min(round(drop_fraction * k), in_features - k)
+
+
 def record_dense_grads(model: nn.Module, enabled: bool = True) -> None:
     """Turn dense-gradient recording on (or off, freeing it) for every FFILinear in ``model``.
 
     Enable it before the forward/backward of the step that precedes a mask update; its cost is,
     per FFI factor, one dense ``(out, in)`` weight and its gradient plus a dense matmul.
-    """
-    from squash.modules.ffi_linear import FFILinear  # squash.modules imports torchtune: lazy
 
+    Raises:
+        ValueError: if ``enabled`` is not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be a bool, got {enabled!r}")
     for module in model.modules():
         if isinstance(module, FFILinear):
             module.record_dense_grad(enabled)
@@ -140,6 +178,13 @@ def update_masks(
     ``layers.0.attn.q_proj.lora_a``) or else from each module's recorded
     :attr:`~squash.modules.FFILinear.dense_grad`. Recording is switched off afterwards.
 
+    Regrown entries start at zero. An adapter whose factors are both FFI
+    (``sparse_factor="both"``) would lose every value of both factors if each row of each were
+    replaced whole (``drop_fraction=1.0``, or anything that rounds to the whole fan-in): its
+    output and both its gradients would be zero at every later step, so it could never learn
+    again. Such an update is refused with a ``ValueError`` before anything changes; with one
+    dense factor, the other factor's gradient regrows the zeroed one, and it is allowed.
+
     Args:
         model (nn.Module): a model containing FFILinear modules.
         optimizer (Optional[torch.optim.Optimizer]): optimizer over the FFI values.
@@ -152,10 +197,24 @@ def update_masks(
         Dict[str, int]: entries replaced per row, by module name.
 
     Raises:
-        ValueError: a module without a dense gradient (unless ``random_growth``).
+        ValueError: a bad argument, a module without a dense gradient (unless
+            ``random_growth``), or an update that would zero both factors of an adapter.
     """
-    from squash.modules.ffi_linear import FFILinear
-
+    drop_fraction = check_real("drop_fraction", drop_fraction, low=0.0, high=1.0)
+    if not isinstance(random_growth, bool):
+        raise ValueError(f"random_growth must be a bool, got {random_growth!r}")
+    for name, module in model.named_modules():
+        factors = (getattr(module, "lora_a", None), getattr(module, "lora_b", None))
+        if isinstance(module, SparseLoRALinear) and all(isinstance(f, FFILinear) for f in factors):
+            if all(
+                _entries_replaced(drop_fraction, f.fan_in, f.in_features) == f.fan_in
+                for f in factors
+            ):
+                raise ValueError(
+                    f"drop_fraction={drop_fraction} would replace every entry of both FFI factors "
+                    f"of {name or '<root>'!r} with zeros, and an adapter whose factors are both "
+                    "zero never trains again (both gradients stay 0); use a smaller drop_fraction"
+                )
     replaced = {}
     for name, module in model.named_modules():
         if not isinstance(module, FFILinear):
