@@ -208,8 +208,8 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
-        if recipe_state is not None:  # last: everything above may draw random numbers
-            ckpt.set_rng_state(recipe_state["rng"], self._device)
+        # Restored in train(), where the run that wrote the checkpoint was when it saved it.
+        self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         for key in ("epochs_run", "global_step", "steps_in_epoch", "seed", "max_steps_per_epoch"):
@@ -391,7 +391,16 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
                 pbar = tqdm(total=self._steps_per_epoch, initial=self._steps_in_epoch)
-                for batch in self._dataloader:
+                # Making the iterator draws a seed from torch's RNG: a checkpoint taken at the
+                # end of an epoch was before that draw, one taken mid-epoch after it.
+                mid_epoch = self._steps_in_epoch > 0
+                if self._pending_rng is not None and not mid_epoch:
+                    ckpt.set_rng_state(self._pending_rng, self._device)
+                batches = iter(self._dataloader)
+                if self._pending_rng is not None and mid_epoch:
+                    ckpt.set_rng_state(self._pending_rng, self._device)
+                self._pending_rng = None
+                for batch in batches:
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1

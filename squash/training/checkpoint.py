@@ -8,10 +8,12 @@ either the whole directory or none):
 - ``squash_adapter.safetensors`` + ``squash_adapter_config.json``: the adapter as squash holds
   it (FFI ``values`` and ``indices``, dense factors as ``weight``), keyed as in
   ``model.state_dict()``, and how to rebuild the model (the ``model`` config block).
-- ``adapter_model.safetensors`` + ``adapter_config.json``: the adapter in PEFT's format, every
-  sparse factor written dense (``SparseLoRALinear.dense_factors()``), written by the model's
-  checkpointer (which knows the family's key names); ``adapter_model.pt`` holds the same dense
-  factors with torchtune's keys.
+- ``adapter/adapter_model.safetensors`` + ``adapter/adapter_config.json``: the adapter in PEFT's
+  format (``PeftModel.from_pretrained(model, "<dir>/adapter")``), every sparse factor written
+  dense (``SparseLoRALinear.dense_factors()``), written by the model's checkpointer (which knows
+  the family's key names); ``adapter/adapter_model.pt`` holds the same dense factors with
+  torchtune's keys. In a subdirectory, because transformers would apply an adapter it finds
+  beside merged weights a second time.
 - unless ``adapter_only``: the merged model (``SparseLoRALinear.merged_weight()``, NF4 bases
   dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
@@ -25,7 +27,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,6 +39,7 @@ SQUASH_ADAPTER_FILE = "squash_adapter.safetensors"
 SQUASH_ADAPTER_CONFIG_FILE = "squash_adapter_config.json"
 RECIPE_STATE_FILE = "recipe_state.pt"
 CHECKPOINT_META_FILE = "checkpoint.json"
+PEFT_SUBDIR = "adapter"
 _TMP_PREFIX = ".squash-tmp-"
 
 
@@ -167,24 +170,38 @@ def write_checkpoint(
             checkpointer._output_dir = saved_dir
         if not inner.is_dir():
             raise RuntimeError(f"{type(checkpointer).__name__} wrote nothing into {inner}")
+        # The PEFT adapter goes one level down: transformers' from_pretrained on a directory with
+        # an adapter_config.json would load the base named there and apply the adapter again on
+        # top of the merged weights.
+        (inner / PEFT_SUBDIR).mkdir()
+        for f in list(inner.iterdir()):
+            if f.is_file() and f.name.startswith("adapter_"):
+                os.replace(f, inner / PEFT_SUBDIR / f.name)
         _save_tensors(squash_adapter, inner / SQUASH_ADAPTER_FILE)
         (inner / SQUASH_ADAPTER_CONFIG_FILE).write_text(
             json.dumps(squash_adapter_config, indent=2, sort_keys=True)
         )
         torch.save(recipe_state, inner / RECIPE_STATE_FILE)
         (inner / CHECKPOINT_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        _fsync_dir(inner)
+        _publish(inner)
         _replace_dir(inner, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
+def _publish(path: Path) -> None:
+    """Flush every file to disk and give it the permissions the umask allows (some writers
+    create files private to the user)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in path.rglob("*"):
         if f.is_file():
+            f.chmod(0o666 & ~umask)
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
+        elif f.is_dir():
+            f.chmod(0o777 & ~umask)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -354,13 +371,3 @@ def set_rng_state(state: Dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch_cpu"])
     if device.type == "cuda" and "torch_cuda" in state:
         torch.cuda.set_rng_state(state["torch_cuda"], device)
-
-
-def call_with_accepted(fn: Callable, **kwargs) -> Any:
-    """Call ``fn`` with the keyword arguments its signature accepts."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(**kwargs)
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
