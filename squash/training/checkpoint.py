@@ -240,10 +240,13 @@ def clean_stale_temporaries(output_dir: Path) -> List[str]:
 
 
 def prune_step_checkpoints(output_dir: Path, keep_last_n: Optional[int]) -> List[Path]:
-    """Delete all but the newest ``keep_last_n`` ``step_N`` directories (None keeps all)."""
+    """Delete all but the newest ``keep_last_n`` complete ``step_N`` directories (None keeps
+    all). Directories without a readable ``checkpoint.json`` are neither counted nor deleted."""
     if keep_last_n is None:
         return []
-    steps = sorted(_numbered(Path(output_dir), "step_"), key=lambda p: p[0])
+    steps = sorted(
+        (n, path) for n, path in _numbered(Path(output_dir), "step_") if read_meta(path)
+    )
     doomed = [path for _, path in steps[: max(0, len(steps) - keep_last_n)]]
     for path in doomed:
         shutil.rmtree(path)
