@@ -25,7 +25,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.modules import FFILinear, adapter_state_dict, svd_initialize
+from squash.modules import FFILinear, svd_initialize
 from squash.training import checkpoint as ckpt
 from squash.training.mask_update import cosine_drop_fraction, record_dense_grads, update_masks
 from squash.training.config_checks import (
@@ -341,7 +341,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._output_dir,
             name,
             checkpointer=self._checkpointer,
-            squash_adapter=adapter_state_dict(model),
+            squash_adapter=ckpt.squash_adapter_state_dict(model),
             squash_adapter_config={"model": to_plain(self._model_cfg), **self._peft_config()},
             checkpointer_state=state,
             recipe_state=recipe_state,

@@ -44,13 +44,35 @@ _TMP_PREFIX = ".squash-tmp-"
 
 
 # ---- what a model's adapters look like -----------------------------------------------------------
+# Wrappers that activation checkpointing and torch.compile put in module names but not in
+# state-dict keys.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def state_dict_name(name: str) -> str:
+    """A module name as its state-dict keys spell it (wrapper prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """Every LoRA module of ``model`` by name: squash's ``SparseLoRALinear`` and torchtune's
-    ``LoRALinear`` (anything with ``lora_a``, ``lora_b``, ``scaling`` or ``alpha``/``rank``)."""
+    """Every LoRA module of ``model`` by its state-dict name: squash's ``SparseLoRALinear`` and
+    torchtune's ``LoRALinear`` (anything with ``lora_a``, ``lora_b`` and ``rank``)."""
     return {
-        name: m
+        state_dict_name(name): m
         for name, m in model.named_modules()
         if hasattr(m, "lora_a") and hasattr(m, "lora_b") and hasattr(m, "rank")
+    }
+
+
+def squash_adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The adapter as squash holds it: every ``lora_a``/``lora_b`` tensor of the state dict
+    (FFI ``values`` and ``indices``, dense factors' ``weight``), detached, on the CPU."""
+    return {
+        k: v.detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if ".lora_a." in k or ".lora_b." in k
     }
 
 

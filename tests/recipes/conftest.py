@@ -19,11 +19,11 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 
 def tune_run(output_dir: Path, *overrides: str, recipe: str = "squash_finetune",
              config: Path = TINY_CONFIG, cwd: Path = REPO, check: bool = True,
-             timeout: int = 600) -> subprocess.CompletedProcess:
+             timeout: int = 600, env: Dict[str, str] = None) -> subprocess.CompletedProcess:
     """``tune run RECIPE --config CONFIG output_dir=... OVERRIDES`` in ``cwd``."""
     cmd = [TUNE, "run", recipe, "--config", str(config), f"output_dir={output_dir}", *QUICK,
            *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

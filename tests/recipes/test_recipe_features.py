@@ -1,0 +1,55 @@
+"""torchtune's training features in squash_finetune give the losses of the plain run (the same
+math computed another way), and other data formats train what a hand computation says."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.recipes.conftest import REPO, logged
+from tests.recipes.test_squash_finetune import PINNED
+
+TINY = REPO / "assets" / "tiny_opt"
+FOUR = ["epochs=1", "max_steps_per_epoch=4"]
+
+
+@pytest.mark.parametrize(
+    "overrides, env",
+    [
+        (["enable_activation_checkpointing=True"], {}),
+        (["batch_size=2", "gradient_accumulation_steps=2"], {}),  # the same 4 samples a step
+        (["compile=True"], {"TORCH_COMPILE_BACKEND": "aot_eager"}),  # traces the FFI ops
+    ],
+    ids=["activation_checkpointing", "gradient_accumulation", "compile"],
+)
+def test_feature_gives_the_losses_of_the_plain_run(run, tmp_path, overrides, env):
+    run(tmp_path, *FOUR, *overrides, env=env)
+    assert logged(tmp_path) == pytest.approx(PINNED, rel=2e-6)
+
+
+def test_packed_text_completion_data_first_step_equals_a_hand_computation(run, tmp_path):
+    from torchtune.data import padded_collate_packed
+    from torchtune.datasets import text_completion_dataset
+
+    from squash.models.opt import OPTCheckpointer, opt_tokenizer, qlora_opt_tiny
+
+    dataset = ["dataset._component_=torchtune.datasets.text_completion_dataset",
+               "dataset.source=text", f"dataset.data_files={TINY / 'corpus.txt'}",
+               "dataset.packed=True", "~dataset.split", "shuffle=False", "tokenizer.max_seq_len=64"]
+    run(tmp_path, "epochs=1", "max_steps_per_epoch=2", *dataset)
+    losses = logged(tmp_path)
+    assert sorted(losses) == [1, 2]
+
+    tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"), max_seq_len=64)
+    ds = text_completion_dataset(tok, source="text", data_files=str(TINY / "corpus.txt"),
+                                 packed=True)
+    batch = padded_collate_packed([ds[i] for i in range(4)])
+    assert batch["tokens"].shape == (4, 64)  # packed: every row is full
+    model = qlora_opt_tiny(["q_proj", "k_proj", "v_proj", "output_proj"], True, lora_rank=8)
+    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "hand"))
+    model.load_state_dict(base.load_checkpoint()["model"], strict=False)
+    with torch.no_grad():  # B = 0: the base's loss, with the packed documents' masks and positions
+        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])
+    labels = batch["labels"][:, 1:]
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=-100).item()
+    assert losses[1] == pytest.approx(expected, rel=1e-5)
