@@ -258,7 +258,9 @@ def _check_optimizer_args(moment_dtype: Optional[torch.dtype], amsgrad: bool) ->
     if moment_dtype is not None and (
         not isinstance(moment_dtype, torch.dtype) or not moment_dtype.is_floating_point
     ):
-        raise ValueError(f"moment_dtype must be a floating torch.dtype or None, got {moment_dtype!r}")
+        raise ValueError(
+            f"moment_dtype must be a floating torch.dtype or None, got {moment_dtype!r}"
+        )
     if not isinstance(amsgrad, bool):
         raise ValueError(f"amsgrad must be a bool, got {amsgrad!r}")
 
