@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+from safetensors.torch import load_file
 import torch
 from torchtune.modules.peft import (
     LoRALinear,
@@ -223,3 +224,78 @@ def test_from_scratch_init_is_transformers_opt_init():
                 assert abs(std - 0.02) < 1e-3 and abs(their_std - 0.02) < 1e-3, key
         with torch.no_grad():
             assert abs(loss(model(tokens)) - their_loss) < 0.05
+
+
+@pytest.mark.parametrize("sparse_factor", ["a", "b", "both"])
+def test_squash_adapter_saves_for_squash_and_loads_in_peft(make_hf, tmp_path, sparse_factor):
+    """A squash adapter (FFI values + indices, dense B or A) passed to save_checkpoint: squash's
+    file keeps its keys and reloads into a fresh model; PEFT's file holds the factors dense, and
+    PEFT on transformers' OPT gives squash's logits (fp32, unquantized base)."""
+    import peft
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    from squash.models.opt import squash_opt
+
+    hf = make_hf("125m_like")
+    hf.save_pretrained(tmp_path / "hf")
+    args = opt_args_from_hf_config(hf.config.to_dict())
+    checkpointer = OPTCheckpointer(
+        str(tmp_path / "hf"), ["model.safetensors"], str(tmp_path / "out")
+    )
+    base_sd = checkpointer.load_checkpoint()["model"]
+
+    def build():
+        model = squash_opt(ATTN, apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8.0,
+                           sparsity=0.5, sparse_factor=sparse_factor, **args).eval()  # fmt: skip
+        model.load_state_dict(base_sd, strict=False)
+        return model
+
+    model = build()
+    set_trainable_params(model, get_adapter_params(model))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # trained-looking, non-zero factors
+        for p in get_adapter_params(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    adapter = get_adapter_state_dict(model.state_dict())
+    assert any(k.endswith(".indices") for k in adapter)
+    adapter_config = {
+        "r": 4, "lora_alpha": 8.0, "target_modules": get_lora_module_names(ATTN, True, False)
+    }  # fmt: skip
+    checkpointer.save_checkpoint(
+        {"adapter": adapter, "adapter_config": adapter_config}, epoch=0, adapter_only=True
+    )
+    out = tmp_path / "out" / "epoch_0"
+
+    tokens = torch.randint(3, 96, (2, 9), generator=g)
+    with torch.no_grad():
+        ours = model(tokens)
+        saved = torch.load(out / "adapter_model.pt", weights_only=True)
+        assert saved.keys() == adapter.keys()
+        fresh = build()
+        fresh.load_state_dict(saved, strict=False)
+        assert torch.equal(fresh(tokens), ours)
+
+        peft_weights = load_file(out / "adapter_model.safetensors")
+        assert not any("indices" in k or "values" in k for k in peft_weights)
+        peft_model = peft.PeftModel.from_pretrained(hf, str(out)).eval()
+        assert (peft_model(tokens).logits - ours).abs().max() <= 1e-4
+        with peft_model.disable_adapter():  # the adapters matter
+            assert (peft_model(tokens).logits - ours).abs().max() > 1e-2
+
+
+def test_broken_squash_adapter_is_refused_naming_the_key(make_hf, tmp_path):
+    hf = make_hf("125m_like")
+    hf.save_pretrained(tmp_path / "hf")
+    checkpointer = OPTCheckpointer(
+        str(tmp_path / "hf"), ["model.safetensors"], str(tmp_path / "out")
+    )
+    key = "layers.0.attn.q_proj.lora_a"
+    adapter = {f"{key}.values": torch.ones(4, 3),
+               f"{key}.indices": torch.tensor([[0, 1, 2]] * 3 + [[2, 1, 0]], dtype=torch.int16),
+               "layers.0.attn.q_proj.lora_b.weight": torch.ones(32, 4)}  # fmt: skip
+    with pytest.raises(ValueError, match=f"not sorted.*{key}"):
+        checkpointer.save_checkpoint({"adapter": adapter}, epoch=0, adapter_only=True)
+    del adapter[f"{key}.indices"]
+    with pytest.raises(ValueError, match="without its partner"):
+        checkpointer.save_checkpoint({"adapter": adapter}, epoch=0, adapter_only=True)
+    assert not (tmp_path / "out" / "epoch_0").exists()
