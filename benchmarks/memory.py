@@ -51,8 +51,7 @@ def table(rows, budget, shapes):
     )
     lines = [head]
     for name, sparsity, factor, mem in rows:
-        best = max_rank_within(budget, shapes, sparsity=sparsity, sparse_factor=factor,
-                               max_rank=4096)  # fmt: skip
+        best = max_rank_within(budget, shapes, sparsity=sparsity, sparse_factor=factor)
         lines.append(
             f"| {name} | {mem.trainable_params:,} | {_mib(mem.total_bytes - mem.index_bytes)} "
             f"| {_mib(mem.index_bytes)} | {_mib(mem.total_bytes)} "

@@ -15,12 +15,13 @@ from torch import nn
 from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 from torchtune.modules.peft import AdapterModule
 
-from squash.modules._nf4 import NF4Tensor, linear_nf4, to_nf4
+from squash._checks import INITS, check_choice, check_int, check_real, check_sparsity
+from squash.modules._nf4 import NF4Tensor, check_nf4_shape, linear_nf4, to_nf4
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
+# Which of (lora_a, lora_b) is FFI for each sparse_factor.
 SPARSE_FACTORS = {"a": (True, False), "b": (False, True), "both": (True, True)}
-INITS = ("lora", "svd")
 
 
 def lora_factor(
@@ -87,9 +88,17 @@ class SparseLoRALinear(nn.Module, AdapterModule):
         **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
             with ``quantize_base``.
 
+        weight (Optional[nn.Parameter]): an existing base weight ``(out_dim, in_dim)`` to use
+            (the very same parameter, dense or NF4) instead of drawing one; a dense one is
+            quantized when ``quantize_base``. Default: None (drawn as ``nn.Linear`` draws it).
+        bias (Optional[nn.Parameter]): the existing base bias ``(out_dim,)``, given with
+            ``weight`` exactly when ``use_bias``.
+
     Raises:
-        ValueError: bad ``rank``, ``sparsity``, ``sparse_factor`` or ``init``, or quantization
-            arguments without ``quantize_base``.
+        ValueError: naming a bad argument (sizes, ``rank``, ``alpha``, ``sparsity``,
+            ``sparse_factor``, ``init``, ``dropout``), quantization arguments without
+            ``quantize_base``, a given base of the wrong shape or kind, or an NF4 base whose
+            size torchao's block sizes do not divide (naming the shape and the block sizes).
     """
 
     def __init__(
@@ -108,19 +117,22 @@ class SparseLoRALinear(nn.Module, AdapterModule):
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
         generator: Optional[torch.Generator] = None,
+        weight: Optional[nn.Parameter] = None,
+        bias: Optional[nn.Parameter] = None,
         **quantization_kwargs,
     ):
         super().__init__()
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if sparse_factor not in SPARSE_FACTORS:
-            raise ValueError(
-                f"sparse_factor must be one of {sorted(SPARSE_FACTORS)}, got {sparse_factor!r}"
-            )
-        if not 0.0 <= sparsity < 1.0:
-            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        in_dim = check_int("in_dim", in_dim)
+        out_dim = check_int("out_dim", out_dim)
+        rank = check_int("rank", rank)
+        alpha = check_real("alpha", alpha)
+        sparsity = check_sparsity("sparsity", sparsity)
+        check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
+        check_choice("init", init, INITS)
+        dropout = check_real("dropout", dropout, low=0.0, high=1.0, high_inclusive=False)
+        for name, flag in (("use_bias", use_bias), ("quantize_base", quantize_base)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         if not quantize_base and any(quantization_kwargs.values()):
             raise ValueError(
                 f"quantize_base is False, but got quantization arguments {quantization_kwargs}"
@@ -134,14 +146,10 @@ class SparseLoRALinear(nn.Module, AdapterModule):
         self.use_bias = use_bias
         self.init = init
         self._quantize_base = quantize_base
-        self._quantization_kwargs = quantization_kwargs
         self.disabled = False
-        self.merged = False
 
-        # The base is drawn as nn.Linear draws it (as LoRALinear does) and created frozen.
-        linear = nn.Linear(in_dim, out_dim, bias=use_bias, dtype=dtype, device=device)
-        bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if use_bias else None
-        self.register_parameter("weight", nn.Parameter(linear.weight.detach(), requires_grad=False))
+        weight, bias = self._base(weight, bias, dtype, device, quantization_kwargs)
+        self.register_parameter("weight", weight)
         self.register_parameter("bias", bias)
         self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
         sparse_a, sparse_b = SPARSE_FACTORS[sparse_factor]
@@ -151,10 +159,42 @@ class SparseLoRALinear(nn.Module, AdapterModule):
         self._init_lora_values(generator)  # the FFI factors drew their patterns already
         if init == "svd" and not self.weight.is_meta:  # on meta there is nothing to factor yet
             self.initialize_from_pretrained(self.weight)
-        if quantize_base:
+        if quantize_base and not isinstance(self.weight, NF4Tensor):
             self.weight = nn.Parameter(
                 to_nf4(self.weight.detach(), **quantization_kwargs), requires_grad=False
             )
+
+    def _base(self, weight, bias, dtype, device, quantization_kwargs) -> tuple:
+        """The base ``(weight, bias)`` parameters: the given ones, checked, or freshly drawn."""
+        if self._quantize_base and not isinstance(weight, NF4Tensor):
+            check_nf4_shape(
+                f"SparseLoRALinear(in_dim={self.in_dim}, out_dim={self.out_dim})",
+                (self.out_dim, self.in_dim),
+                **{k: v for k, v in quantization_kwargs.items() if v},
+            )
+        if weight is None:
+            if bias is not None:
+                raise ValueError("bias was given without weight: give both or neither")
+            # Drawn as nn.Linear draws it (as LoRALinear does) and created frozen.
+            linear = nn.Linear(
+                self.in_dim, self.out_dim, bias=self.use_bias, dtype=dtype, device=device
+            )
+            weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+            if self.use_bias:
+                bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+            return weight, bias
+        if tuple(weight.shape) != (self.out_dim, self.in_dim):
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}, expected (out_dim, in_dim) = "
+                f"{(self.out_dim, self.in_dim)}"
+            )
+        if isinstance(weight, NF4Tensor) and not self._quantize_base:
+            raise ValueError("weight is an NF4 tensor but quantize_base is False")
+        if (bias is not None) != self.use_bias:
+            raise ValueError(f"use_bias is {self.use_bias} but bias is {type(bias).__name__}")
+        if bias is not None and tuple(bias.shape) != (self.out_dim,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({self.out_dim},)")
+        return _as_parameter(weight), None if bias is None else _as_parameter(bias)
 
     @property
     def scaling(self) -> float:
@@ -311,11 +351,11 @@ class SparseLoRALinear(nn.Module, AdapterModule):
     ) -> "SparseLoRALinear":
         """A ``SparseLoRALinear`` that shares ``lora``'s base ``weight``/``bias`` parameters.
 
-        Keeps rank, alpha, dropout probability, bias, the dense or NF4 base (the same
-        ``nn.Parameter`` objects, so loaded weights and any references stay valid), the
-        ``disabled`` flag and train/eval mode. The adapter factors are initialised afresh per
-        ``init`` (``"svd"`` factors the current base, dequantizing NF4), in the dtype and on the
-        device of ``lora.lora_a.weight``.
+        Built by the constructor with ``lora``'s base: keeps rank, alpha, dropout probability,
+        bias, the dense or NF4 base (the same ``nn.Parameter`` objects, so loaded weights and any
+        references stay valid), the ``disabled`` flag and train/eval mode. The adapter factors are
+        initialised afresh per ``init`` (``"svd"`` factors the current base, dequantizing NF4),
+        in the dtype and on the device of ``lora.lora_a.weight``.
 
         Args:
             lora (nn.Module): a torchtune ``LoRALinear``.
@@ -326,11 +366,11 @@ class SparseLoRALinear(nn.Module, AdapterModule):
 
         Returns:
             SparseLoRALinear: the replacement module.
+
+        Raises:
+            ValueError: as the constructor.
         """
         ref = lora.lora_a.weight
-        dropout = lora.dropout.p if isinstance(lora.dropout, nn.Dropout) else 0.0
-        # Build on the meta device so no throw-away base weight is drawn (or quantized), then
-        # take over the existing base and materialise only the adapter factors.
         new = cls(
             lora.in_dim,
             lora.out_dim,
@@ -338,25 +378,23 @@ class SparseLoRALinear(nn.Module, AdapterModule):
             lora.alpha,
             sparsity=sparsity,
             sparse_factor=sparse_factor,
-            dropout=dropout,
+            dropout=lora.dropout.p if isinstance(lora.dropout, nn.Dropout) else 0.0,
             use_bias=lora.use_bias,
-            quantize_base=False,
-            init="lora",
+            quantize_base=lora._quantize_base,
+            init=init,
             dtype=ref.dtype,
-            device="meta",
+            device=ref.device,
+            generator=generator,
+            weight=lora.weight,
+            bias=lora.bias,
         )
-        new._quantize_base = lora._quantize_base
-        new.init = init
-        new.weight = lora.weight
-        new.bias = lora.bias
-        new.to_empty(device=ref.device)
-        new.initialize_parameters(generator=generator)
         new.disabled = lora.disabled
-        new.merged = getattr(lora, "merged", False)
-        new.train(lora.training)
-        if init == "svd":
-            new.initialize_from_pretrained(lora.weight)
-        return new
+        return new.train(lora.training)
+
+
+def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
+    """A given base tensor as a parameter: the same object if it is one, else a frozen one."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
 def _trainable(factor: nn.Module) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params
 
+from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
 from squash.modules.sparse_lora import SparseLoRALinear
 
 
@@ -45,8 +46,12 @@ def swap_lora_linear(
         nn.Module: ``model`` (or the replacement, when ``model`` is itself a ``LoRALinear``).
 
     Raises:
-        ValueError: on a DoRA or QAT LoRA layer (not supported), or bad sparsity arguments.
+        ValueError: on a DoRA or QAT LoRA layer (not supported), or bad sparsity arguments
+            (checked before anything is swapped).
     """
+    check_sparsity("sparsity", sparsity)
+    check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
+    check_choice("init", init, INITS)
     kwargs = dict(sparsity=sparsity, sparse_factor=sparse_factor, init=init, generator=generator)
     _check_swappable("", model)
     if type(model) is LoRALinear:

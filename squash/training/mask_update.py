@@ -31,8 +31,9 @@ from squash.sparsity.ffi import index_dtype, validate_ffi
 def cosine_drop_fraction(step: int, drop_fraction: float, until_step: int) -> float:
     """RigL's cosine-decayed drop fraction for the mask update at ``step``.
 
-    ``drop_fraction / 2 * (1 + cos(pi * step / until_step))`` before ``until_step``. It starts at ``drop_fraction`` at step 0, halves at ``until_step / 2`` and is 0 at and after
-    ``until_step`` (no more mask updates).
+    ``drop_fraction / 2 * (1 + cos(pi * step / until_step))`` before ``until_step``, 0 at and
+    after it (no more mask updates): the full ``drop_fraction`` at step 0, half of it at
+    ``until_step / 2``.
 
     Args:
         step (int): the optimizer step of the update, ``>= 0``.

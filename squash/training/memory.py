@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torchtune.modules.peft import get_adapter_params
 
+from squash._checks import SPARSE_FACTORS, check_choice, check_int, check_sparsity
 from squash.modules import FFILinear, get_adapter_buffers
 from squash.sparsity.ffi import fan_in_for, index_dtype
 
@@ -74,7 +75,11 @@ def adapter_memory(
 
     Returns:
         AdapterMemory: the byte counts.
+
+    Raises:
+        ValueError: if ``moment_dtype`` is not a floating dtype or ``amsgrad`` not a bool.
     """
+    _check_optimizer_args(moment_dtype, amsgrad)
     params = get_adapter_params(model)
     numel = sum(p.numel() for p in params.values())
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
@@ -126,7 +131,16 @@ def lora_adapter_memory(
 
     Returns:
         AdapterMemory: the byte counts (what :func:`adapter_memory` reports for such a model).
+
+    Raises:
+        ValueError: naming a bad argument (empty or non-positive ``shapes``, ``rank < 1``,
+            ``sparsity`` outside ``[0, 1)``, an unknown ``sparse_factor`` such as ``"A"``, a
+            non-floating ``dtype``).
     """
+    shapes = _check_shapes(shapes)
+    rank = check_int("rank", rank)
+    _check_sparse_args(sparsity, sparse_factor, dtype)
+    _check_optimizer_args(moment_dtype, amsgrad)
     sparse_a = sparsity is not None and sparse_factor in ("a", "both")
     sparse_b = sparsity is not None and sparse_factor in ("b", "both")
     elems = idx_bytes = probe = tensors = 0
@@ -165,6 +179,10 @@ def max_rank_within(
 ) -> int:
     """The largest rank whose adapter state (``total_bytes``) fits in ``budget_bytes``.
 
+    The cost grows strictly with the rank, so the search doubles an upper bound until it no longer
+    fits and then bisects: the answer is the true largest rank, which for sparse factors may
+    exceed every ``min(in_dim, out_dim)`` (an FFI factor's rows need not be independent).
+
     E.g. ``max_rank_within(lora_adapter_memory(shapes, 8).total_bytes, shapes, sparsity=0.9)``
     is the squash rank that costs what LoRA rank 8 costs; with ``sparsity=None`` it answers the
     reverse question (which dense rank a squash budget buys).
@@ -176,12 +194,21 @@ def max_rank_within(
         sparse_factor (str): as in :func:`lora_adapter_memory`.
         dtype (torch.dtype): adapter parameter dtype. Default: bfloat16
         moment_dtype (Optional[torch.dtype]): AdamW moment dtype; default: ``dtype``.
-        max_rank (Optional[int]): search limit; default: the largest ``min(in_dim, out_dim)``.
+        max_rank (Optional[int]): an explicit cap on the answer; default None: no cap.
 
     Returns:
-        int: the rank, 0 when even rank 1 does not fit.
+        int: the rank (at most ``max_rank`` when given), 0 when even rank 1 does not fit.
+
+    Raises:
+        ValueError: naming a bad argument (as :func:`lora_adapter_memory`, and a negative
+            ``budget_bytes`` or ``max_rank < 1``).
     """
-    limit = max_rank or max(min(i, o) for i, o in shapes)
+    budget_bytes = check_int("budget_bytes", budget_bytes, minimum=0)
+    shapes = _check_shapes(shapes)
+    _check_sparse_args(sparsity, sparse_factor, dtype)
+    _check_optimizer_args(moment_dtype, False)
+    if max_rank is not None:
+        max_rank = check_int("max_rank", max_rank)
 
     def cost(rank: int) -> int:
         return lora_adapter_memory(
@@ -189,7 +216,13 @@ def max_rank_within(
             moment_dtype=moment_dtype,
         ).total_bytes  # fmt: skip
 
-    lo, hi = 0, limit  # cost is non-decreasing in rank: binary search the last fitting rank
+    # Each rank adds at least one element per shape, so cost(rank) > rank and doubling ends.
+    hi = 1
+    while cost(hi) <= budget_bytes and (max_rank is None or hi < max_rank):
+        hi *= 2
+    if max_rank is not None:
+        hi = min(hi, max_rank)
+    lo = 0  # cost is increasing in rank: binary search the last fitting rank in [0, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if cost(mid) <= budget_bytes:
@@ -197,6 +230,39 @@ def max_rank_within(
         else:
             hi = mid - 1
     return lo
+
+
+def _check_shapes(shapes: Sequence[Tuple[int, int]]) -> list:
+    try:
+        shapes = [tuple(s) for s in shapes]
+    except TypeError:
+        raise ValueError(f"shapes must be a sequence of (in_dim, out_dim) pairs, got {shapes!r}")
+    if not shapes:
+        raise ValueError("shapes must name at least one (in_dim, out_dim) pair, got none")
+    for i, shape in enumerate(shapes):
+        if len(shape) != 2:
+            raise ValueError(f"shapes[{i}] must be an (in_dim, out_dim) pair, got {shape!r}")
+        check_int(f"shapes[{i}][0] (in_dim)", shape[0])
+        check_int(f"shapes[{i}][1] (out_dim)", shape[1])
+    return shapes
+
+
+def _check_sparse_args(sparsity: Optional[float], sparse_factor: str, dtype: torch.dtype) -> None:
+    check_sparsity("sparsity", sparsity, allow_none=True)
+    check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+
+def _check_optimizer_args(moment_dtype: Optional[torch.dtype], amsgrad: bool) -> None:
+    if moment_dtype is not None and (
+        not isinstance(moment_dtype, torch.dtype) or not moment_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"moment_dtype must be a floating torch.dtype or None, got {moment_dtype!r}"
+        )
+    if not isinstance(amsgrad, bool):
+        raise ValueError(f"amsgrad must be a bool, got {amsgrad!r}")
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -5,7 +5,7 @@ import torch
 from squash.modules._nf4 import NF4Tensor
 from torchtune.models.llama3_2 import lora_llama3_2, lora_llama3_2_1b, lora_llama3_2_3b
 from torchtune.models.qwen2_5 import lora_qwen2_5_0_5b, lora_qwen2_5_1_5b_instruct
-from torchtune.modules.peft import LoRALinear
+from torchtune.modules.peft import LoRALinear, disable_adapter
 
 from squash.models import (
     squash_llama3_2_1b,
@@ -60,22 +60,87 @@ def test_tied_output_cannot_take_lora():
         squash_llama3_2_1b(**(LORA | dict(apply_lora_to_output=True)), quantize_base=False)
 
 
-def test_squash_model_generic_builder_keeps_nf4_base():
+TINY_LLAMA = dict(lora_attn_modules=["q_proj", "v_proj"], vocab_size=64, num_layers=1,
+                  num_heads=4, num_kv_heads=4, embed_dim=128, max_seq_len=32,
+                  intermediate_dim=256, lora_rank=8, lora_alpha=16.0)  # fmt: skip
+
+
+def test_squash_model_with_nonzero_factors_equals_torchtune_lora_with_dense_factors():
+    """NF4 base, non-zero FFI factors. Reference: torchtune's QLoRA model built from the same seed
+    (the same NF4 base) whose LoRALinear factors are the squash factors scattered to dense with
+    a Python loop."""
     torch.manual_seed(0)
-    model = squash_model(
-        lora_llama3_2, sparsity=0.5, sparse_factor="both",
-        lora_attn_modules=["q_proj", "v_proj"], vocab_size=64, num_layers=1, num_heads=4,
-        num_kv_heads=4, embed_dim=128, max_seq_len=32, intermediate_dim=256, lora_rank=8,
-        lora_alpha=16.0, quantize_base=True,
-    )  # fmt: skip
+    model = squash_model(lora_llama3_2, sparsity=0.5, sparse_factor="both", quantize_base=True,
+                         **TINY_LLAMA)  # fmt: skip
     q = model.layers[0].attn.q_proj
     assert isinstance(q, SparseLoRALinear) and isinstance(q.weight, NF4Tensor)
     assert q.lora_a.fan_in == 64 and q.lora_b.fan_in == 4  # half of 128 and of rank 8
-    tok = torch.randint(0, 64, (1, 8))
     torch.manual_seed(0)
-    reference = lora_llama3_2(
-        ["q_proj", "v_proj"], vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
-        embed_dim=128, max_seq_len=32, intermediate_dim=256, lora_rank=8, lora_alpha=16.0,
-        quantize_base=True,
-    )  # fmt: skip
-    assert torch.equal(model(tok), reference(tok))  # same seed, same base; B = 0 in both
+    reference = lora_llama3_2(quantize_base=True, **TINY_LLAMA)
+    g = torch.Generator().manual_seed(1)
+    refs = dict(reference.named_modules())
+    for name, m in model.named_modules():
+        if not isinstance(m, SparseLoRALinear):
+            continue
+        with torch.no_grad():
+            for factor in (m.lora_a, m.lora_b):
+                factor.values.copy_(torch.randn(factor.values.shape, generator=g) * 0.1)
+            for factor, ref in ((m.lora_a, refs[name].lora_a), (m.lora_b, refs[name].lora_b)):
+                dense = torch.zeros_like(ref.weight)
+                for o, (cols, vals) in enumerate(zip(factor.indices.tolist(),
+                                                     factor.values.tolist())):  # fmt: skip
+                    for c, v in zip(cols, vals, strict=True):
+                        dense[o, c] = v
+                ref.weight.copy_(dense)
+    tok = torch.randint(0, 64, (2, 8), generator=g)
+    with torch.no_grad():
+        ours = model(tok)
+        with disable_adapter(model):
+            assert (ours - model(tok)).abs().max() > 1e-3  # the adapters show
+        torch.testing.assert_close(ours, reference(tok), atol=1e-5, rtol=1e-5)
+
+
+def test_squash_model_passes_init_and_generator():
+    torch.manual_seed(0)
+    lora = lora_llama3_2(quantize_base=False, **TINY_LLAMA)
+    weights = {n: m.weight.detach().clone() for n, m in lora.named_modules()
+               if isinstance(m, LoRALinear)}  # fmt: skip
+
+    def build(seed, init="lora"):
+        torch.manual_seed(0)
+        return squash_model(lora_llama3_2, sparsity=0.75, sparse_factor="both", init=init,
+                            generator=torch.Generator().manual_seed(seed), quantize_base=False,
+                            **TINY_LLAMA)  # fmt: skip
+
+    def patterns(model):
+        return [m.lora_a.indices.clone() for m in model.modules()
+                if isinstance(m, SparseLoRALinear)]  # fmt: skip
+
+    a, b, c = patterns(build(1)), patterns(build(1)), patterns(build(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+    svd = build(1, init="svd")
+    for name, m in svd.named_modules():
+        if isinstance(m, SparseLoRALinear):
+            assert m.init == "svd" and m.lora_b.values.abs().max() > 0
+            # By construction the svd init keeps W = base + scaling * B @ A.
+            torch.testing.assert_close(m.merged_weight(), weights[name], atol=2e-5, rtol=1e-5)
+
+
+def test_named_builders_pass_every_argument():
+    import inspect
+
+    for builder in (squash_llama3_2_1b, squash_llama3_2_3b, squash_qwen2_5_0_5b,
+                    squash_qwen2_5_1_5b):  # fmt: skip
+        assert inspect.isfunction(builder) and "init" in inspect.signature(builder).parameters
+    with torch.device("meta"):
+        model = squash_qwen2_5_0_5b(["k_proj"], lora_rank=4, lora_alpha=2.0, lora_dropout=0.5,
+                                    quantize_base=False, sparsity=0.5, sparse_factor="b",
+                                    init="svd")  # fmt: skip
+    k = model.layers[0].attn.k_proj
+    assert (k.rank, k.alpha, k.dropout.p, k.sparsity, k.sparse_factor, k.init) == (
+        4, 2.0, 0.5, 0.5, "b", "svd")  # fmt: skip
+    for bad, name in [(dict(sparsity=1.5), "sparsity"), (dict(sparse_factor="B"), "sparse_factor"),
+                      (dict(init="SVD"), "init")]:  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            squash_model(lora_llama3_2, **TINY_LLAMA, **bad)

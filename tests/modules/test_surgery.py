@@ -91,6 +91,44 @@ def test_swap_rejects_dora():
         swap_lora_linear(model)
 
 
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(sparsity=1.0), "sparsity"), (dict(sparse_factor="A"), "sparse_factor"),
+     (dict(init="SVD"), "init")],
+)  # fmt: skip
+def test_swap_checks_arguments_before_swapping(kwargs, name):
+    for model in (tiny_llama(False), torch.nn.Linear(4, 4)):  # with and without LoRA layers
+        with pytest.raises(ValueError, match=name):
+            swap_lora_linear(model, **kwargs)
+        assert not any(isinstance(m, SparseLoRALinear) for m in model.modules())
+
+
+def test_torchtune_meta_device_init_finds_sparse_adapters():
+    """torchtune's distributed LoRA recipe builds on the meta device, then materialises each
+    adapter with ``to_empty`` + ``initialize_parameters`` and loads the base; the same loop
+    (with SparseLoRALinear among the adapter classes) gives a working squash model."""
+    base_sd = swap_lora_linear(tiny_llama(False), sparse_factor="both").state_dict()
+    base_sd = {k: v for k, v in base_sd.items() if ".lora_" not in k}
+    with torch.device("meta"):
+        model = swap_lora_linear(tiny_llama(False), sparse_factor="both")
+    for m in model.modules():
+        if isinstance(m, (LoRALinear, SparseLoRALinear)):
+            m.to_empty(device="cpu")
+            m.initialize_parameters()
+        if hasattr(m, "rope_init"):
+            m.rope_init()
+    model.load_state_dict(base_sd, strict=False, assign=True)
+    for m in model.modules():
+        if isinstance(m, SparseLoRALinear):
+            validate = m.lora_a.indices.long()
+            assert bool((validate[:, 1:] > validate[:, :-1]).all())
+            assert not m.lora_b.values.any() and m.lora_a.values.abs().min() > 0
+    reference = tiny_llama(False)  # same base, no adapters' contribution (B = 0)
+    reference.load_state_dict(base_sd, strict=False)
+    tok = tokens()
+    torch.testing.assert_close(model(tok), reference(tok))
+
+
 @pytest.mark.parametrize("sparse_factor", ["a", "b", "both"])
 def test_torchtune_adapter_selection_and_training(sparse_factor):
     model = swap_lora_linear(tiny_llama(), sparse_factor=sparse_factor)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from squash.models.opt._convert_weights import (
     HF_PREFIX,
+    opt_dense_adapter,
     opt_hf_shapes,
     opt_hf_to_tune,
     opt_tune_to_hf,
@@ -28,6 +29,11 @@ MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY = "model", "adapter", "adapter_config
 RECIPE_STATE_DIRNAME = "recipe_state"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _NOT_COPIED = re.compile(r".*(\.safetensors|\.bin|\.pt|\.pth|\.index\.json)$|^adapter_")
+# What an interrupted save leaves in output_dir: a temporary epoch directory
+# (``.epoch_3.k2j4h1x0``) and, between the two renames that replace an epoch, the old one moved
+# aside (``.epoch_3.old.a8d7f6g5/epoch_3``). mkdtemp's random suffixes contain no dots.
+_STALE_TMP = re.compile(r"^\.(epoch_\d+)\.(?!old\.)[^.]+$")
+_STALE_OLD = re.compile(r"^\.(epoch_\d+)\.old\.[^.]+$")
 
 
 class OPTCheckpointer:
@@ -43,7 +49,11 @@ class OPTCheckpointer:
     checkpoint dir (``config.json``, tokenizer files), and, given an adapter, ``adapter_model.pt``
     (squash keys, for resuming) plus PEFT's ``adapter_model.safetensors`` and
     ``adapter_config.json``. Each epoch directory is written into a temporary directory inside
-    ``output_dir`` and renamed into place, so it is either complete or absent.
+    ``output_dir`` and renamed into place, so it is either complete or absent; what a save killed
+    midway leaves behind (a hidden ``.epoch_N.*`` temporary directory, or an existing epoch moved
+    aside to ``.epoch_N.old.*`` and not yet replaced) is cleaned up, or restored, when the next
+    checkpointer is created on ``output_dir`` and before each save. One process writes to an
+    ``output_dir`` at a time.
 
     Args:
         checkpoint_dir (str): directory holding ``config.json`` and the weight files.
@@ -68,7 +78,8 @@ class OPTCheckpointer:
             resume from does not exist.
         ValueError: if ``model_type`` is not OPT, ``output_dir`` is inside ``checkpoint_dir``,
             ``checkpoint_files`` is empty or names a file of unknown format or outside
-            ``checkpoint_dir``, or the config is not an OPT config squash supports.
+            ``checkpoint_dir``, or ``config.json`` or an index file cannot be read or is not an
+            OPT config squash supports (each naming the file).
     """
 
     def __init__(
@@ -91,14 +102,18 @@ class OPTCheckpointer:
         config_path = self._checkpoint_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"No config.json in checkpoint_dir {self._checkpoint_dir}")
-        self._config = json.loads(config_path.read_text())
-        self._expected_shapes = opt_hf_shapes(self._config)
+        self._config = _read_json(config_path, "an OPT config.json")
+        try:
+            self._expected_shapes = opt_hf_shapes(self._config)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{config_path} is not an OPT config squash supports: {e}") from e
 
         self._output_dir = Path(output_dir)
         ckpt, out = self._checkpoint_dir.resolve(), self._output_dir.resolve()
         if out == ckpt or ckpt in out.parents:
             raise ValueError(f"output_dir {out} must not be inside checkpoint_dir {ckpt}")
         self._output_dir.mkdir(parents=True, exist_ok=True)
+        _recover_interrupted_saves(self._output_dir)
         self._max_shard_size = max_shard_size
         self._checkpoint_paths = self._resolve_checkpoint_files(checkpoint_files)
 
@@ -122,21 +137,35 @@ class OPTCheckpointer:
         if not files:
             raise ValueError("checkpoint_files is empty")
         if len(files) == 1 and str(files[0]).endswith(".index.json"):
-            index = self._checkpoint_dir / files[0]
+            index = self._inside_checkpoint_dir(files[0])
             if not index.is_file():
                 raise FileNotFoundError(f"Checkpoint index file not found: {index}")
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = _read_json(index, "a checkpoint index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()
+            ):
+                raise ValueError(
+                    f"Checkpoint index {index} has no 'weight_map' of key -> file name "
+                    f"(found {type(weight_map).__name__})"
+                )
+            files = sorted(set(weight_map.values()))
         paths = []
         for name in files:
-            if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
-                raise ValueError(f"Checkpoint file {name!r} is outside {self._checkpoint_dir}")
-            path = self._checkpoint_dir / name
+            path = self._inside_checkpoint_dir(name)
             if path.suffix not in _WEIGHT_SUFFIXES:
                 raise ValueError(f"Unknown checkpoint file format (not {_WEIGHT_SUFFIXES}): {path}")
             if not path.is_file():
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             paths.append(path)
         return sorted(paths)
+
+    def _inside_checkpoint_dir(self, name) -> Path:
+        """``checkpoint_dir / name``, refusing a name that leads outside it. Judged on the name
+        (``..`` as a path component, an absolute path), not on resolved links: the snapshot
+        files of Hugging Face's cache are links to blobs elsewhere."""
+        if os.path.isabs(name) or ".." in Path(os.path.normpath(name)).parts:
+            raise ValueError(f"Checkpoint file {name!r} is outside {self._checkpoint_dir}")
+        return self._checkpoint_dir / name
 
     def _resume_path(self, name: Optional[str], default: str, required: bool) -> Optional[Path]:
         if name is None and not required:  # the adapter of the newest epoch, if there is one
@@ -207,10 +236,20 @@ class OPTCheckpointer:
     ) -> None:
         """Write ``output_dir/epoch_{epoch}`` (and ``recipe_state`` for intermediate checkpoints).
 
+        ``"adapter"`` holds, for each adapted linear (``layers.N.attn.q_proj``, ...), its two
+        factors with squash's keys, each either dense (``...lora_a.weight``) or FFI
+        (``...lora_a.values`` and ``...lora_a.indices``), as ``get_adapter_state_dict`` or
+        :func:`~squash.modules.adapter_state_dict` return them for a squash or LoRA model. It is
+        written unchanged to ``adapter_model.pt`` (squash's format, for resuming), and dense to
+        PEFT's ``adapter_model.safetensors``: each FFI factor is checked and scattered to its
+        dense ``(rows, width)`` matrix, the width of ``lora_a`` being the layer's input width
+        from ``config.json`` and that of ``lora_b`` the rank (the rows of ``lora_a``). A dense
+        adapter (all ``.weight``) goes to both files as it is.
+
         Args:
             state_dict (Dict[str, Any]): ``"model"`` (squash keys, adapters merged), optionally
-                ``"adapter"`` (LoRA parameters with squash keys) and ``"adapter_config"``
-                (``r``, ``lora_alpha``, ``target_modules``), plus recipe state. Not modified.
+                ``"adapter"`` (see above) and ``"adapter_config"`` (``r``, ``lora_alpha``,
+                ``target_modules``), plus recipe state. Not modified.
             epoch (int): epoch number, used in the directory name.
             intermediate_checkpoint (bool): also write the recipe state (everything but model and
                 adapter) to ``output_dir/recipe_state/recipe_state.pt``. Default False.
@@ -218,13 +257,22 @@ class OPTCheckpointer:
 
         Raises:
             ValueError: if ``adapter_only`` and there is no adapter, if ``"model"`` is missing
-                otherwise, or if a key cannot be converted to HF/PEFT names.
+                otherwise, if a key cannot be converted to HF/PEFT names or an FFI factor breaks
+                the format, or if ``output_dir/epoch_{epoch}`` is or contains the
+                ``checkpoint_dir`` being read (saving would replace it).
         """
         if adapter_only and ADAPTER_KEY not in state_dict:
             raise ValueError("adapter_only=True but the state dict has no 'adapter' entry")
         if not adapter_only and MODEL_KEY not in state_dict:
             raise ValueError("The state dict has no 'model' entry to save")
         final = self._output_dir / f"epoch_{epoch}"
+        ckpt, target = self._checkpoint_dir.resolve(), final.resolve()
+        if target == ckpt or target in ckpt.parents:
+            raise ValueError(
+                f"Saving epoch {epoch} would replace {target}, which holds the checkpoint being "
+                f"read ({ckpt}); give an output_dir that does not contain checkpoint_dir's epoch"
+            )
+        _recover_interrupted_saves(self._output_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self._output_dir))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the epoch directory should not be
@@ -232,7 +280,8 @@ class OPTCheckpointer:
                 self._write_model(opt_tune_to_hf(state_dict[MODEL_KEY]), tmp)
             if ADAPTER_KEY in state_dict:
                 adapter = state_dict[ADAPTER_KEY]
-                peft = opt_tune_to_peft_adapter_weights(adapter)
+                dense = opt_dense_adapter(adapter, self._config)
+                peft = opt_tune_to_peft_adapter_weights(dense)
                 torch.save(adapter, tmp / "adapter_model.pt")
                 save_file(_contiguous(peft), tmp / "adapter_model.safetensors", {"format": "pt"})
             if ADAPTER_CONFIG_KEY in state_dict:
@@ -325,6 +374,42 @@ def _load_tensors(path: Path) -> Dict[str, torch.Tensor]:
     if not_tensors:
         raise ValueError(f"{path} holds non-tensor values under {not_tensors}")
     return state_dict
+
+
+def _read_json(path: Path, what: str) -> Dict[str, Any]:
+    """Parse a JSON object from ``path``; errors name the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"Cannot read {path} as {what} (JSON): {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} is not {what}: a JSON object expected, found {type(data).__name__}"
+        )
+    return data
+
+
+def _recover_interrupted_saves(output_dir: Path) -> None:
+    """Undo what a save killed midway leaves: remove temporary ``.epoch_N.*`` directories, and
+    move an ``epoch_N`` that was set aside (``.epoch_N.old.*/epoch_N``) back when no ``epoch_N``
+    replaced it (else drop it)."""
+    for path in sorted(output_dir.iterdir()):
+        if not path.is_dir():
+            continue
+        old, tmp = _STALE_OLD.match(path.name), _STALE_TMP.match(path.name)
+        if old:
+            name = old.group(1)
+            kept = path / name
+            if kept.is_dir() and not (output_dir / name).exists():
+                os.replace(kept, output_dir / name)
+                log.warning("Restored %s, left aside by an interrupted save", output_dir / name)
+            shutil.rmtree(path, ignore_errors=True)
+        elif tmp:
+            log.warning("Removing %s, left by an interrupted save", path)
+            shutil.rmtree(path, ignore_errors=True)
+    stale_state = output_dir / RECIPE_STATE_DIRNAME / ".recipe_state.pt.tmp"
+    if stale_state.is_file():
+        stale_state.unlink()
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

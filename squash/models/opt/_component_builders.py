@@ -2,10 +2,16 @@
 
 As in torchtune, the building blocks (:class:`~torchtune.modules.MultiHeadAttention`,
 :class:`~torchtune.modules.FeedForward`, :class:`~torchtune.modules.TransformerSelfAttentionLayer`)
-receive their linear layers; these builders decide whether each one is an ``nn.Linear`` or a
-:class:`~torchtune.modules.peft.LoRALinear` (NF4 base with ``quantize_base``). A function that
-swaps ``LoRALinear`` modules for other adapters can be applied to the output of
-:func:`lora_opt` unchanged.
+receive their linear layers; these builders decide whether each one is an ``nn.Linear`` or an
+adapter, and which adapter class: :class:`~torchtune.modules.peft.LoRALinear`, or squash's
+:class:`~squash.modules.SparseLoRALinear` when a ``sparsity`` is given (as torchtune picks
+``DoRALinear`` or ``LoRALinear``), NF4 base with ``quantize_base``. A model is built once, in its
+final shape.
+
+Weights are initialised as transformers initialises OPT (``OPTPreTrainedModel._init_weights``):
+every linear weight and embedding from ``N(0, init_std)`` (``init_std`` is 0.02 in every OPT
+config), every bias zero, LayerNorms at weight 1 and bias 0; so a model built without a
+checkpoint starts near the uniform loss ``log(vocab_size)``. Adapter factors keep LoRA's init.
 
 Module names, for the key table in ``_convert_weights.py`` (``N`` = layer index)::
 
@@ -23,17 +29,28 @@ Module names, for the key table in ``_convert_weights.py`` (``N`` = layer index)
 from functools import partial
 from typing import List, Optional
 
+import torch
 from torch import nn
 from torchtune.modules import FeedForward, MultiHeadAttention, TiedLinear
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LORA_ATTN_MODULES, LoRALinear
 
+from squash._checks import (
+    INITS,
+    SPARSE_FACTORS,
+    check_choice,
+    check_int,
+    check_real,
+    check_sparsity,
+)
 from squash.models.opt._decoder import (
     OPTDecoder,
     OPTLearnedPositionalEmbedding,
     OPTPostNormLayer,
 )
+from squash.modules import SparseLoRALinear
+from squash.modules._nf4 import check_nf4_shape
 
 
 def opt(
@@ -47,6 +64,7 @@ def opt(
     pre_norm: bool = True,
     attn_dropout: float = 0.0,
     norm_eps: float = 1e-5,
+    init_std: float = 0.02,
 ) -> OPTDecoder:
     """Build an OPT decoder.
 
@@ -65,13 +83,17 @@ def opt(
             no final LayerNorm (OPT-350m). Default True.
         attn_dropout (float): attention dropout probability. Default 0.0.
         norm_eps (float): LayerNorm epsilon. Default 1e-5.
+        init_std (float): standard deviation of the normal init of linear weights and
+            embeddings (HF ``init_std``). Default 0.02.
 
     Returns:
         OPTDecoder: the model, output projection tied to the token embedding.
 
     Raises:
-        ValueError: if ``embed_dim`` is not divisible by ``num_heads``.
+        ValueError: naming a size that is not a positive integer or a bad dropout, epsilon or
+            ``init_std``, or if ``embed_dim`` is not divisible by ``num_heads``.
     """
+    _check_sizes(locals())
     layers = nn.ModuleList(
         [
             _opt_layer(
@@ -98,6 +120,7 @@ def opt(
         word_embed_proj_dim=word_embed_proj_dim,
         pre_norm=pre_norm,
         norm_eps=norm_eps,
+        init_std=init_std,
     )
 
 
@@ -197,11 +220,18 @@ def lora_opt(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    sparsity: Optional[float] = None,
+    sparse_factor: str = "a",
+    init: str = "lora",
+    init_std: float = 0.02,
 ) -> OPTDecoder:
     """Build an OPT decoder with LoRA adapters on a subset of its linear layers.
 
-    The base weights keep the names and shapes of :func:`opt`'s, so a base state dict loads into
-    this model with ``strict=False`` and only adapter keys missing.
+    The adapter class is chosen here: torchtune's :class:`~torchtune.modules.peft.LoRALinear`
+    when ``sparsity`` is None, else squash's :class:`~squash.modules.SparseLoRALinear` with
+    ``sparsity``, ``sparse_factor`` and ``init``. The base weights keep the names and shapes of
+    :func:`opt`'s, so a base state dict loads into this model with ``strict=False`` and only
+    adapter keys missing.
 
     Args:
         lora_attn_modules (List[LORA_ATTN_MODULES]): which attention projections get adapters,
@@ -230,14 +260,25 @@ def lora_opt(
         quantize_base (bool): store the adapted layers' base weights in NF4 (QLoRA); each such
             weight needs a number of elements divisible by 16384 (torchao's NF4 blocks).
             Default False.
+        sparsity (Optional[float]): fraction of zeros of each FFI factor, in ``[0, 1)``; None
+            for dense LoRA (``LoRALinear``). Default None.
+        sparse_factor (str): with ``sparsity``: ``"a"``, ``"b"`` or ``"both"``. Default ``"a"``.
+        init (str): with ``sparsity``: ``"lora"`` or ``"svd"``. ``"svd"`` factors each base
+            weight the model holds when built (the from-scratch init); after loading a
+            checkpoint, call :func:`~squash.modules.svd_initialize` with its unquantized
+            weights to factor those instead. Default ``"lora"``.
+        init_std (float): as for :func:`opt`. Default 0.02.
 
     Returns:
         OPTDecoder: the model. With ``quantize_base``, its state dict holds the NF4 weights
         dequantized to the embedding's dtype, as torchtune's QLoRA models do.
 
     Raises:
-        ValueError: if ``lora_attn_modules`` is empty or has unknown names, or if
-            ``apply_lora_to_output`` or ``use_dora`` is True.
+        ValueError: if ``lora_attn_modules`` is empty or has unknown names, if
+            ``apply_lora_to_output`` or ``use_dora`` is True, naming any other bad argument
+            (``lora_rank``, ``lora_alpha``, ``lora_dropout``, ``sparsity``, ``sparse_factor``,
+            ``init``, a size), or, with ``quantize_base``, naming an adapted layer whose size
+            torchao's NF4 blocks do not divide.
     """
     known = ("q_proj", "k_proj", "v_proj", "output_proj")
     if not lora_attn_modules or any(m not in known for m in lora_attn_modules):
@@ -256,14 +297,42 @@ def lora_opt(
             "base layer (every OPT linear has one), so training, the merged checkpoint and PEFT "
             "would disagree"
         )
-    adapter = partial(
-        LoRALinear,
-        rank=lora_rank,
-        alpha=lora_alpha,
-        dropout=lora_dropout,
-        use_bias=True,
-        quantize_base=quantize_base,
-    )
+    _check_sizes(locals())
+    lora_rank = check_int("lora_rank", lora_rank)
+    check_real("lora_alpha", lora_alpha)
+    check_real("lora_dropout", lora_dropout, low=0.0, high=1.0, high_inclusive=False)
+    check_sparsity("sparsity", sparsity, allow_none=True)
+    check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
+    check_choice("init", init, INITS)
+    if sparsity is None and init != "lora":
+        raise ValueError(f"init={init!r} needs sparse adapters: give a sparsity")
+    if quantize_base:  # name the layer before torchao fails on it with a bare assertion
+        for name, shape in _adapted_shapes(
+            lora_attn_modules, apply_lora_to_mlp, embed_dim, intermediate_dim
+        ).items():
+            check_nf4_shape(f"layers.*.{name} (quantize_base=True)", shape)
+
+    def adapter(in_dim: int, out_dim: int) -> nn.Module:
+        lora_args = dict(
+            rank=lora_rank,
+            alpha=lora_alpha,
+            dropout=lora_dropout,
+            use_bias=True,
+            quantize_base=quantize_base,
+        )
+        if sparsity is None:  # torchtune's LoRALinear draws its own base: give it OPT's init
+            return _init_base_(LoRALinear(in_dim, out_dim, **lora_args), init_std)
+        weight, bias = _opt_base(in_dim, out_dim, init_std)  # OPT's init, before any svd init
+        return SparseLoRALinear(
+            in_dim,
+            out_dim,
+            sparsity=sparsity,
+            sparse_factor=sparse_factor,
+            init=init,
+            weight=weight,
+            bias=bias,
+            **lora_args,
+        )
 
     def attn_proj(name: str) -> Optional[nn.Module]:
         return adapter(embed_dim, embed_dim) if name in lora_attn_modules else None
@@ -304,6 +373,7 @@ def lora_opt(
         word_embed_proj_dim=word_embed_proj_dim,
         pre_norm=pre_norm,
         norm_eps=norm_eps,
+        init_std=init_std,
     )
     if quantize_base:
         # As torchtune's QLoRA builders: state_dict() returns NF4 weights in the model's dtype
@@ -340,11 +410,12 @@ def _opt_decoder(
     word_embed_proj_dim: Optional[int],
     pre_norm: bool,
     norm_eps: float,
+    init_std: float,
 ) -> OPTDecoder:
     word_dim = word_embed_proj_dim or embed_dim
     tok_embeddings = nn.Embedding(vocab_size, word_dim)
     projected = word_dim != embed_dim
-    return OPTDecoder(
+    model = OPTDecoder(
         tok_embeddings=tok_embeddings,
         pos_embeddings=OPTLearnedPositionalEmbedding(max_seq_len, embed_dim),
         layers=layers,
@@ -356,3 +427,68 @@ def _opt_decoder(
         project_in=nn.Linear(word_dim, embed_dim, bias=False) if projected else None,
         project_out=nn.Linear(embed_dim, word_dim, bias=False) if projected else None,
     )
+    _init_non_adapter_weights_(model, init_std)
+    return model
+
+
+def _adapted_shapes(
+    lora_attn_modules: List[str], apply_lora_to_mlp: bool, embed_dim: int, intermediate_dim: int
+) -> dict:
+    """``{module name in a layer: (out, in)}`` of the linears that get adapters."""
+    shapes = {f"attn.{name}": (embed_dim, embed_dim) for name in lora_attn_modules}
+    if apply_lora_to_mlp:
+        shapes["mlp.w1"] = (intermediate_dim, embed_dim)
+        shapes["mlp.w2"] = (embed_dim, intermediate_dim)
+    return shapes
+
+
+def _check_sizes(args: dict) -> None:
+    """Check the size and float arguments shared by :func:`opt` and :func:`lora_opt`."""
+    for name in ("vocab_size", "num_layers", "num_heads", "embed_dim", "intermediate_dim",
+                 "max_seq_len"):  # fmt: skip
+        check_int(name, args[name])
+    if args["word_embed_proj_dim"] is not None:
+        check_int("word_embed_proj_dim", args["word_embed_proj_dim"])
+    if not isinstance(args["pre_norm"], bool):
+        raise ValueError(f"pre_norm must be a bool, got {args['pre_norm']!r}")
+    check_real("attn_dropout", args["attn_dropout"], low=0.0, high=1.0, high_inclusive=False)
+    check_real("norm_eps", args["norm_eps"], low=0.0)
+    check_real("init_std", args["init_std"], low=0.0)
+
+
+def _opt_base(in_dim: int, out_dim: int, init_std: float) -> tuple:
+    """A frozen base ``(weight, bias)`` for an adapter, initialised as OPT's linears."""
+    weight = torch.empty(out_dim, in_dim).normal_(mean=0.0, std=init_std)
+    bias = torch.zeros(out_dim)
+    return nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
+
+
+@torch.no_grad()
+def _init_base_(module: nn.Module, init_std: float) -> nn.Module:
+    """OPT's init of a linear's (or an adapter's base) ``weight`` and ``bias``, in place; an NF4
+    weight is quantized from the fresh draw. Nothing is drawn on the meta device."""
+    if module.weight.is_meta:
+        return module
+    draw = torch.empty(module.weight.shape, dtype=torch.float32, device=module.weight.device)
+    module.weight.copy_(draw.normal_(mean=0.0, std=init_std).to(module.weight.dtype))
+    if module.bias is not None:
+        module.bias.zero_()
+    return module
+
+
+@torch.no_grad()
+def _init_non_adapter_weights_(model: nn.Module, init_std: float) -> None:
+    """OPT's init for every linear and embedding outside the adapters (whose bases were
+    initialised when built, and whose factors keep LoRA's init)."""
+    adapters = [
+        f"{name}."
+        for name, m in model.named_modules()
+        if callable(getattr(m, "adapter_params", None))
+    ]
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in adapters):
+            continue
+        if isinstance(module, nn.Linear):
+            _init_base_(module, init_std)
+        elif isinstance(module, (nn.Embedding, OPTLearnedPositionalEmbedding)):
+            module.weight.normal_(mean=0.0, std=init_std)

@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from squash.sparsity import ffi_to_dense, validate_ffi
+
 # HF key (without the "model." prefix) -> squash key; None = drop.
 _FROM_HF = {
     "decoder.embed_tokens.weight": "tok_embeddings.weight",
@@ -69,7 +71,8 @@ def opt_args_from_hf_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
     Raises:
         ValueError: if the config is not an OPT config that squash's OPT can express (ReLU, biases,
-            affine LayerNorms, a final LayerNorm exactly when pre-norm).
+            affine LayerNorms, a final LayerNorm exactly when pre-norm), or lacks a size or gives
+            one that is not a positive integer.
     """
     if config.get("model_type", "opt") != "opt":
         raise ValueError(f"Not an OPT config: model_type={config.get('model_type')!r}")
@@ -83,7 +86,7 @@ def opt_args_from_hf_config(config: Dict[str, Any]) -> Dict[str, Any]:
         bad = {k: config.get(k) for k, v in unsupported.items() if v}
         raise ValueError(f"Unsupported OPT config values: {bad}")
     try:
-        return dict(
+        args = dict(
             vocab_size=config["vocab_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=config["num_attention_heads"],
@@ -95,6 +98,20 @@ def opt_args_from_hf_config(config: Dict[str, Any]) -> Dict[str, Any]:
         )
     except KeyError as e:
         raise ValueError(f"The OPT config lacks {e.args[0]!r}") from e
+    hf_names = dict(vocab_size="vocab_size", num_layers="num_hidden_layers",
+                    num_heads="num_attention_heads", embed_dim="hidden_size",
+                    intermediate_dim="ffn_dim", max_seq_len="max_position_embeddings",
+                    word_embed_proj_dim="word_embed_proj_dim")  # fmt: skip
+    for name, hf_name in hf_names.items():
+        value = args[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"The OPT config's {hf_name} must be a positive integer, got {value!r}"
+            )
+    if not isinstance(args["pre_norm"], bool):
+        raise ValueError(f"The OPT config's do_layer_norm_before must be a bool, got "
+                         f"{args['pre_norm']!r}")  # fmt: skip
+    return args
 
 
 def opt_hf_shapes(config: Dict[str, Any]) -> Dict[str, tuple]:
@@ -233,6 +250,58 @@ def opt_tune_to_peft_adapter_weights(
         table[f"{base_tune}.lora_a.weight"] = f"{base_hf}.lora_A.weight"
         table[f"{base_tune}.lora_b.weight"] = f"{base_hf}.lora_B.weight"
     return _map_keys(state_dict, table, "adapter")
+
+
+def opt_dense_adapter(
+    state_dict: Dict[str, torch.Tensor], config: Dict[str, Any]
+) -> Dict[str, torch.Tensor]:
+    """Turn every FFI factor of a squash adapter state dict into a dense ``.weight``.
+
+    ``X.lora_a.values`` + ``X.lora_a.indices`` become ``X.lora_a.weight`` of shape
+    ``(rank, in_dim)``, ``in_dim`` being the input width of the linear ``X`` in the OPT of
+    ``config``; ``X.lora_b.values`` + ``X.lora_b.indices`` become ``X.lora_b.weight`` of shape
+    ``(out_dim, rank)``, the rank being the rows of ``X``'s ``lora_a``. Dense entries are kept.
+
+    Args:
+        state_dict (Dict[str, torch.Tensor]): adapter state dict with squash keys.
+        config (Dict[str, Any]): the parsed HF ``config.json``.
+
+    Returns:
+        Dict[str, torch.Tensor]: the adapter with dense factors only (same tensors where dense).
+
+    Raises:
+        ValueError: a ``values`` without its ``indices`` (or the reverse), a factor of a linear
+            OPT does not have, or indices that break the FFI format (naming the key).
+    """
+    shapes = opt_hf_shapes(config)
+    dense, ffi = {}, {}
+    for key, value in state_dict.items():
+        for part in ("values", "indices"):
+            if key.endswith(f".{part}"):
+                ffi.setdefault(key[: -len(part) - 1], {})[part] = value
+                break
+        else:
+            dense[key] = value
+    for factor, parts in sorted(ffi.items()):
+        if set(parts) != {"values", "indices"}:
+            raise ValueError(f"The adapter has {factor}.{next(iter(parts))} without its partner")
+        base, name = factor.rsplit(".", 1)  # layers.0.attn.q_proj, lora_a
+        if name == "lora_a":
+            template, layer = _template(f"{base}.weight")
+            hf_key = _TO_HF.get(template)
+            if hf_key is None:
+                raise ValueError(f"Unexpected keys in the adapter state dict: {factor}.values")
+            width = shapes[hf_key.format(layer) if layer is not None else hf_key][1]
+        elif name == "lora_b":
+            a = state_dict.get(f"{base}.lora_a.weight", state_dict.get(f"{base}.lora_a.values"))
+            if a is None:
+                raise ValueError(f"The adapter has {factor}.values but no {base}.lora_a")
+            width = a.shape[0]  # the rank
+        else:
+            raise ValueError(f"Unexpected keys in the adapter state dict: {factor}.values")
+        validate_ffi(parts["values"], parts["indices"], width, where=f"adapter key {factor}")
+        dense[f"{factor}.weight"] = ffi_to_dense(parts["values"], parts["indices"], width)
+    return dense
 
 
 def opt_tune_to_peft_adapter_config(

@@ -4,6 +4,12 @@ The sizes are those of the published HF configs (``hidden_size``, ``num_hidden_l
 ``num_attention_heads``, ``ffn_dim``, ``word_embed_proj_dim``, ``do_layer_norm_before``,
 ``max_position_embeddings``). ``opt_tiny`` matches ``assets/tiny_opt/config.json``, which
 ``scripts/make_tiny_opt.py`` writes.
+
+Each adapter builder is a plain function with an explicit signature whose body passes every one
+of its arguments by name to the component builder: ``locals()`` at the top of a function holds
+exactly its arguments, so no argument can be dropped or shifted on the way. Variants that only
+change a default (``qlora_*``) are ``functools.partial`` objects with a docstring, as in
+torchtune.
 """
 
 from functools import partial
@@ -74,17 +80,7 @@ def lora_opt_125m(
     quantize_base: bool = False,
 ) -> OPTDecoder:
     """Builder for OPT-125m with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **_OPT_SIZES["125m"],
-    )
+    return lora_opt(**_OPT_SIZES["125m"], **locals())
 
 
 def lora_opt_350m(
@@ -98,17 +94,7 @@ def lora_opt_350m(
     quantize_base: bool = False,
 ) -> OPTDecoder:
     """Builder for OPT-350m with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **_OPT_SIZES["350m"],
-    )
+    return lora_opt(**_OPT_SIZES["350m"], **locals())
 
 
 def lora_opt_1_3b(
@@ -122,17 +108,7 @@ def lora_opt_1_3b(
     quantize_base: bool = False,
 ) -> OPTDecoder:
     """Builder for OPT-1.3b with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **_OPT_SIZES["1_3b"],
-    )
+    return lora_opt(**_OPT_SIZES["1_3b"], **locals())
 
 
 def lora_opt_2_7b(
@@ -146,17 +122,7 @@ def lora_opt_2_7b(
     quantize_base: bool = False,
 ) -> OPTDecoder:
     """Builder for OPT-2.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **_OPT_SIZES["2_7b"],
-    )
+    return lora_opt(**_OPT_SIZES["2_7b"], **locals())
 
 
 def lora_opt_6_7b(
@@ -170,17 +136,7 @@ def lora_opt_6_7b(
     quantize_base: bool = False,
 ) -> OPTDecoder:
     """Builder for OPT-6.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **_OPT_SIZES["6_7b"],
-    )
+    return lora_opt(**_OPT_SIZES["6_7b"], **locals())
 
 
 def lora_opt_tiny(
@@ -194,17 +150,7 @@ def lora_opt_tiny(
     quantize_base: bool = False,
 ) -> OPTDecoder:
     """Builder for the tiny OPT with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-        **_OPT_SIZES["tiny"],
-    )
+    return lora_opt(**_OPT_SIZES["tiny"], **locals())
 
 
 qlora_opt_125m = partial(lora_opt_125m, quantize_base=True)

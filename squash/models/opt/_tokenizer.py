@@ -1,6 +1,7 @@
 """OPT's tokenizer: GPT-2 byte-level BPE with OPT's special tokens, for torchtune datasets."""
 
 import json
+import os
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -32,7 +33,9 @@ class OPTTokenizer(ModelTokenizer, Transform):
             tokenization, as in torchtune's tokenizers. Default None.
 
     Raises:
-        ValueError: if the vocabulary lacks one of OPT's special tokens.
+        FileNotFoundError: if ``vocab_path`` or ``merges_path`` does not exist (naming it).
+        ValueError: if a file cannot be read as what it should be, or the vocabulary lacks one
+            of OPT's special tokens (naming the file).
     """
 
     def __init__(
@@ -42,12 +45,26 @@ class OPTTokenizer(ModelTokenizer, Transform):
         max_seq_len: Optional[int] = None,
         prompt_template: Optional[PromptTemplate] = None,
     ) -> None:
-        with open(vocab_path, encoding="utf-8") as f:
-            vocab = json.load(f)
+        for what, path in (("vocab.json", vocab_path), ("merges.txt", merges_path)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"OPT tokenizer file not found ({what}): {path}")
+        try:
+            with open(vocab_path, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"Cannot read {vocab_path} as a vocab.json (JSON): {e}") from e
+        if not isinstance(vocab, dict):
+            raise ValueError(f"{vocab_path} is not a vocab.json: a JSON object expected")
         missing = [t for t in _SPECIAL_TOKENS if t not in vocab]
         if missing:
             raise ValueError(f"{vocab_path} lacks OPT's special tokens {missing}")
-        self._tokenizer = Tokenizer(models.BPE.from_file(vocab_path, merges_path))
+        try:
+            bpe = models.BPE.from_file(vocab_path, merges_path)
+        except Exception as e:  # tokenizers raises a bare Exception naming neither file
+            raise ValueError(
+                f"Cannot build a BPE tokenizer from {vocab_path} and {merges_path}: {e}"
+            ) from e
+        self._tokenizer = Tokenizer(bpe)
         self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tokenizer.decoder = decoders.ByteLevel()
         self._tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))

@@ -187,3 +187,105 @@ def test_instantiated_from_a_torchtune_config(hf_dir, tmp_path):
     cfg.checkpoint_files = ["../hf/model.safetensors"]
     with pytest.raises(ValueError, match="outside"):
         config.instantiate(cfg)
+
+
+def test_save_refuses_to_replace_the_checkpoint_being_read(hf_dir, tmp_path):
+    """Resuming from out/epoch_0 with output_dir=out: saving epoch 0 would replace the very
+    directory being read (its weights would change under the reader)."""
+    out = tmp_path / "out"
+    first = OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))
+    state_dict = first.load_checkpoint()
+    first.save_checkpoint(state_dict, epoch=0)
+    before = load_file(out / "epoch_0" / "model.safetensors")
+    reader = OPTCheckpointer(str(out / "epoch_0"), ["model.safetensors"], str(out))
+    changed = {k: v + 1 for k, v in state_dict["model"].items()}
+    with pytest.raises(ValueError, match="would replace.*epoch_0"):
+        reader.save_checkpoint({"model": changed}, epoch=0)
+    after = load_file(out / "epoch_0" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # The parent of the checkpoint being read is refused too; another epoch is fine.
+    nested = tmp_path / "nested"
+    OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(nested)).save_checkpoint(
+        state_dict, epoch=2)  # fmt: skip
+    (nested / "epoch_2" / "inner").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (nested / "epoch_2" / "inner" / f).write_bytes((nested / "epoch_2" / f).read_bytes())
+    inner = OPTCheckpointer(str(nested / "epoch_2" / "inner"), ["model.safetensors"], str(nested))
+    with pytest.raises(ValueError, match="would replace"):
+        inner.save_checkpoint(state_dict, epoch=2)
+    reader.save_checkpoint({"model": changed}, epoch=1)
+    assert torch.equal(load_file(out / "epoch_1" / "model.safetensors")[
+        "model.decoder.embed_tokens.weight"], changed["tok_embeddings.weight"])  # fmt: skip
+
+
+def test_interrupted_saves_are_cleaned_up_and_restored(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    checkpointer = OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))
+    state_dict = checkpointer.load_checkpoint()
+    checkpointer.save_checkpoint(state_dict, epoch=0)
+    checkpointer.save_checkpoint(state_dict, epoch=1)
+    saved = sorted(p.name for p in (out / "epoch_1").iterdir())
+    # A save of epoch 2 killed mid-write: a hidden temporary directory with a partial shard.
+    (out / ".epoch_2.k2j4h1x0").mkdir()
+    (out / ".epoch_2.k2j4h1x0" / "model-00001-of-00003.safetensors").write_bytes(b"partial")
+    # A save of epoch 1 killed between its two renames: epoch_1 moved aside, not replaced.
+    os.makedirs(out / ".epoch_1.old.a8d7f6g5")
+    os.replace(out / "epoch_1", out / ".epoch_1.old.a8d7f6g5" / "epoch_1")
+    # One killed after both renames: the set-aside copy of epoch_0 is only garbage.
+    os.makedirs(out / ".epoch_0.old.zzzzzzzz" / "epoch_0")
+    (out / "recipe_state").mkdir()
+    (out / "recipe_state" / ".recipe_state.pt.tmp").write_bytes(b"partial")
+
+    OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))  # the next run starts
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "recipe_state"]
+    assert sorted(p.name for p in (out / "epoch_1").iterdir()) == saved
+    assert not any((out / "recipe_state").iterdir())
+    # The same on a save by a checkpointer that was created before the interruption.
+    (out / ".epoch_3.abcdefgh").mkdir()
+    checkpointer.save_checkpoint(state_dict, epoch=4)
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_4",
+                                                      "recipe_state"]  # fmt: skip
+
+
+def test_file_names_are_judged_by_path_components(hf_dir, tmp_path):
+    """``../x.index.json`` is outside checkpoint_dir (refused, as weight files are); a file named
+    ``..model.safetensors`` is inside it (accepted)."""
+    index = {"weight_map": {"model.decoder.embed_tokens.weight": "model.safetensors"}}
+    (tmp_path / "x.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="outside"):
+        OPTCheckpointer(str(hf_dir), "../x.index.json", str(tmp_path / "out"))
+    expected = _load(hf_dir, tmp_path)["model"]
+    os.replace(hf_dir / "model.safetensors", hf_dir / "..model.safetensors")
+    loaded = _load(hf_dir, tmp_path, files=["..model.safetensors"])["model"]
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in loaded)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", "JSON"),
+        ("[1, 2]", "JSON object expected"),
+        ('{"model_type": "opt", "num_hidden_layers": 2}', "lacks 'vocab_size'"),
+        (None, "hidden_size"),  # a wrong type: hidden_size given as a string
+    ],
+)
+def test_bad_config_json_errors_name_the_file(hf_dir, tmp_path, text, match):
+    path = hf_dir / "config.json"
+    if text is None:
+        config = json.loads(path.read_text())
+        config["hidden_size"] = "thirty-two"
+        text = json.dumps(config)
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as error:
+        OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(tmp_path / "out"))
+    assert str(path) in str(error.value)
+
+
+def test_index_without_weight_map_names_the_file(hf_dir, tmp_path):
+    index = hf_dir / "model.safetensors.index.json"
+    for text in ('{"metadata": {}}', '{"weight_map": ["model.safetensors"]}', "{oops"):
+        index.write_text(text)
+        with pytest.raises(ValueError) as error:
+            OPTCheckpointer(str(hf_dir), index.name, str(tmp_path / "out"))
+        assert str(index) in str(error.value)

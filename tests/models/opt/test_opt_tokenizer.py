@@ -178,3 +178,21 @@ def test_packed_alpaca_positions_restart_per_sample(
                 checked += 1
             start += n
         assert checked >= 2
+
+
+def test_missing_or_broken_tokenizer_files_are_named(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    assets = Path(__file__).resolve().parents[3] / "assets" / "tiny_opt"
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    shutil.copy(assets / "vocab.json", vocab)
+    with pytest.raises(FileNotFoundError, match=str(merges)):
+        opt_tokenizer(str(vocab), str(merges))
+    merges.write_text("#version: 0.2\nthis line has three parts\n")
+    with pytest.raises(ValueError, match=str(merges)):
+        opt_tokenizer(str(vocab), str(merges))
+    shutil.copy(assets / "merges.txt", merges)
+    vocab.write_text("{broken")
+    with pytest.raises(ValueError, match=str(vocab)):
+        opt_tokenizer(str(vocab), str(merges))

@@ -1,10 +1,8 @@
-"""assets/tiny_opt: reproduced exactly by scripts/make_tiny_opt.py, small, matched by opt_tiny,
-and run by squash as by transformers."""
+"""assets/tiny_opt checked against transformers (which loads its model and tokenizer) and
+hand-written rules: small, matched by opt_tiny, and run by squash as by transformers."""
 
-import importlib.util
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,32 +10,59 @@ from squash.models.opt import OPTCheckpointer, opt_args_from_hf_config, opt_tiny
 
 import transformers
 
-_TEXT_FILES = ["alpaca_tiny.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
+def test_transformers_loads_the_asset_as_opt_tiny(tiny_opt_dir):
+    """transformers reads the shipped config, weights and tokenizer; the sizes are opt_tiny's,
+    every weight is stored in float16 and carries noise (no constant tensor), and the tokenizer
+    has OPT's special tokens at OPT's ids and round-trips the shipped texts without <unk>."""
+    hf = transformers.OPTForCausalLM.from_pretrained(tiny_opt_dir, dtype=torch.float32).eval()
+    config = hf.config
+    model = opt_tiny()
+    assert config.model_type == "opt" and config.vocab_size == 1024
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (
+        model.layers[0].attn.embed_dim, len(model.layers), model.layers[0].attn.num_heads)
+    assert config.ffn_dim == model.layers[0].mlp.w1.out_features
+    assert config.word_embed_proj_dim == model.tok_embeddings.embedding_dim
+    assert config.max_position_embeddings == model.max_seq_len
+    assert config.do_layer_norm_before is False  # post-norm, like OPT-350m
+    stored = load_file(tiny_opt_dir / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.float16}
+    assert all(float(t.float().std()) > 0 for t in stored.values())
 
-
-def _script(repo):
-    path = repo / "scripts" / "make_tiny_opt.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_opt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_script_reproduces_the_shipped_files(tiny_opt_dir, tmp_path):
-    script = _script(tiny_opt_dir.parents[1])
-    records = script.make_records()
-    (tmp_path / "alpaca_tiny.json").write_text(json.dumps(records, indent=1) + "\n")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_opt_dir)
+    assert len(tokenizer) == config.vocab_size
+    assert tokenizer.convert_tokens_to_ids(["<s>", "<pad>", "</s>", "<unk>"]) == [0, 1, 2, 3]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    records = json.loads((tiny_opt_dir / "alpaca_tiny.json").read_text())
     corpus = (tiny_opt_dir / "corpus.txt").read_text(encoding="utf-8")
-    script.train_tokenizer(corpus.split("\n\n") + [" ".join(r.values()) for r in records], tmp_path)
-    with torch.random.fork_rng():
-        script.make_model(tmp_path)
-    for name in _TEXT_FILES:
-        assert (tmp_path / name).read_bytes() == (tiny_opt_dir / name).read_bytes(), name
-    ours, shipped = (json.loads((d / "config.json").read_text()) for d in (tmp_path, tiny_opt_dir))
-    assert ours == shipped
-    ours, shipped = (load_file(d / "model.safetensors") for d in (tmp_path, tiny_opt_dir))
-    assert ours.keys() == shipped.keys()
-    assert all(torch.equal(ours[k], shipped[k]) for k in ours)
+    texts = [corpus] + [" ".join(r.values()) for r in records]
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == 2 and 3 not in ids  # BOS </s>, no <unk>
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_shipped_instructions_are_answered_correctly(tiny_opt_dir):
+    """The dataset's answers, checked by hand-written rules for the tasks that have one."""
+    records = json.loads((tiny_opt_dir / "alpaca_tiny.json").read_text())
+    assert len(records) == 200
+    assert all(set(r) == {"instruction", "input", "output"} for r in records)
+    checked = 0
+    for r in records:
+        task, given, answer = r["instruction"], r["input"], r["output"]
+        if task == "Add the two numbers.":
+            a, b = (int(x) for x in given.split(" and "))
+            assert answer == str(a + b)
+        elif task == "Reverse the order of the words.":
+            assert answer == " ".join(reversed(given.split()))
+        elif task == "Convert the word to upper case.":
+            assert answer == given.upper()
+        elif task == "Is the number even or odd?":
+            assert answer == ("Even." if int(given) % 2 == 0 else "Odd.")
+        else:
+            continue
+        checked += 1
+    assert checked > 50
 
 
 def test_shipped_files_are_small_and_match_opt_tiny(tiny_opt_dir):
