@@ -269,7 +269,7 @@ def main() -> int:
     idx = torch.tensor([[0, 1, 2], [3, 5, 7]], dtype=torch.int16, device=GPU)
     torch.ops.squash.ffi_linear(torch.randn(4, 8, device=GPU), torch.randn(2, 3, device=GPU), idx)
     torch.cuda.synchronize()
-    status = _loader.status()["cuda"]
+    status = _loader.status()["cuda"]["backend"]
     log(f"cuda kernels: {status} ({time.monotonic() - t0:.1f} s)")
     if status != "native":
         log(f"native GPU kernels unavailable: {_loader._state.get('cuda') or _loader.mode()}")
