@@ -292,8 +292,8 @@ def status() -> dict[str, dict[str, str]]:
         dict[str, dict[str, str]]: for ``"cpu"`` and ``"cuda"``: ``backend`` (``"native"``,
         ``"reference"``, or ``"not loaded"`` before the first call on that device, which loads the
         native kernel unless ``SQUASH_KERNELS=reference``), ``device`` (CPU model or GPU name),
-        ``isa`` (CPU: the vector ISA the build targets, or would target) or ``arch`` (GPU), ``build``
-        (the build folder, once built) and ``reason`` (why the reference serves).
+        ``isa`` (CPU: the vector ISA the build targets, or would target) or ``arch`` (GPU),
+        ``build`` (the build folder, once built) and ``reason`` (why the reference serves).
     """
     import torch
 

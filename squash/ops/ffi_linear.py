@@ -178,7 +178,8 @@ def _grad_values_backward(ctx, up):
 
 
 torch.library.register_autograd(
-    "squash::ffi_linear_grad_values", _grad_values_backward,
+    "squash::ffi_linear_grad_values",
+    _grad_values_backward,
     setup_context=_grad_values_setup_context,
 )
 
@@ -211,9 +212,7 @@ def ffi_linear(
             FFI contract.
     """
     if in_features is not None and x.shape[-1] != in_features:
-        raise ValueError(
-            f"ffi_linear: x {tuple(x.shape)} must end in in_features = {in_features}"
-        )
+        raise ValueError(f"ffi_linear: x {tuple(x.shape)} must end in in_features = {in_features}")
     if validate:
         from squash.sparsity import validate_ffi
 

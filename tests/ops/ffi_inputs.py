@@ -63,8 +63,8 @@ def assert_close(got, want, dtype, roundings=1):
 
 def bad_patterns(indices, in_features):
     """Index patterns that break one FFI rule each, made from a valid ``indices`` (at least 4 rows
-    and 2 columns): ``{name: (bad indices, in_features)}``. validate_ffi says which rule broke; every
-    backend must raise a ValueError with its words."""
+    and 2 columns): ``{name: (bad indices, in_features)}``. validate_ffi says which rule broke;
+    every backend must raise a ValueError with its words."""
     cases = {}
     bad = indices.clone()
     bad[1, -1] = in_features
