@@ -199,7 +199,12 @@ def main(argv=None) -> int:
         tiny, torch.ones(2, 1, device=device, dtype=dtype),
         torch.zeros(2, 1, device=device, dtype=torch.int16),
     )
-    backend = squash.ops.status()[torch.device(device).type]
+    st = squash.ops.status()[torch.device(device).type]
+    backend = st["backend"]
+    if "isa" in st:
+        backend += f", ISA {st['isa']} ({st.get('vector_bytes', '?')}-byte vectors)"
+    elif "arch" in st:
+        backend += f", arch {st['arch']}"
     lines = [
         f"# FFI kernels vs dense matmul ({device})",
         "",

@@ -7,15 +7,19 @@
 //   grad_values   gv[o, j] = sum_t g[t, o] * x[t, indices[o, j]]
 //
 // Layout. Token-major activations (T, F) are copied, tile by tile, into feature-major tiles
-// (F, W) of W tokens (W in {8, 16, 32}, 64 for long rows; zero past the last token; fp32, or
-// fp64 for fp64 inputs). A gathered feature is then W contiguous values: each gathered row costs
-// W / 8 vector loads and fused multiply-adds, and the W sums of one output row stay in registers
-// across the whole fan-in. W is chosen so that a tile stays in L2.
-//   forward:     x tile -> xT (in, W); every y row gathers k rows of xT.
+// (F, W) of W tokens (zero past the last token; fp32, or fp64 for fp64 inputs). W runs from one
+// vector (16 fp32 lanes with AVX-512, 8 with AVX2, at least 8 tokens) up to 64 fp32 tokens for
+// long rows; the vector width comes from the compile target (ffi_cpu_simd.h). A gathered feature
+// is then W contiguous values: each gathered row costs W / lanes vector loads and fused
+// multiply-adds, and the W sums of one output row stay in registers across the whole fan-in.
+// W is chosen so that a tile stays in L2.
+//   forward:     x tile -> xT (in, W); every y row gathers its k rows of xT.
 //   grad_input:  g tile -> gT (out, W); every gx row gathers the rows of gT listed by the
 //                transposed (CSC) pattern, built once per call by a counting sort of the indices
 //                by column: for input feature i, the (o, values[o, j]) with indices[o, j] = i.
 //                Each gx row has one writer: no atomics.
+//   Both are one gather-SpMM (gather_spmm) over a row-wise sparse matrix; only where a row's
+//   (column, value) pairs come from differs.
 //   grad_values: x and g tiles -> xT, gT; gv[o, j] += dot(gT[o], xT[indices[o, j]]).
 // Long rows (low sparsity) are gathered one block of the tile at a time, a block small enough to
 // stay in L1, with 64 rows accumulating in memory meanwhile.
@@ -25,7 +29,8 @@
 // into up to eight token rows, cheaper there than building its CSC pattern.
 //
 // Inputs are checked with TORCH_CHECK_VALUE (a Python ValueError) before any memory is read
-// through the indices, including a min/max pass proving every index lies in [0, in_features).
+// through the indices: the whole FFI index contract (ffi_index_check.h, worded as
+// squash.sparsity.validate_ffi words it) in one pass over the indices.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -35,10 +40,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "ffi_cpu_simd.h"
+#include "ffi_index_check.h"
 
 namespace {
 
@@ -110,22 +117,38 @@ T* scratch(int slot, int64_t n) {
   return reinterpret_cast<T*>((p + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// Tile width for `rows` feature rows of `elem` bytes per token and T tokens.
-int64_t tile_width(int64_t rows, int64_t tokens, int64_t elem) {
-  int64_t w = 32;
-  while (w > 8 && rows * w * elem > kTileBytes) w /= 2;
-  while (w > 8 && w / 2 >= tokens) w /= 2;  // do not pad a few tokens out to a wide tile
+// Tile widths (tokens) for acc_t: from one vector (at least 8 tokens, the transpose block) up
+// to wide_width, 256 bytes of a token row: 64 fp32 or 32 fp64 tokens.
+template <typename acc_t>
+constexpr int min_width() {
+  return Vec<acc_t>::lanes > 8 ? Vec<acc_t>::lanes : 8;
+}
+template <typename acc_t>
+constexpr int wide_width() {
+  return 256 / sizeof(acc_t) > min_width<acc_t>() ? 256 / sizeof(acc_t) : min_width<acc_t>();
+}
+
+// Tile width for `rows` feature rows of acc_t per token and T tokens.
+template <typename acc_t>
+int64_t tile_width(int64_t rows, int64_t tokens) {
+  constexpr int64_t lo = min_width<acc_t>(), elem = sizeof(acc_t);
+  int64_t w = std::max<int64_t>(32, lo);
+  while (w > lo && rows * w * elem > kTileBytes) w /= 2;
+  while (w > lo && w / 2 >= tokens) w /= 2;  // do not pad a few tokens out to a wide tile
   return w;
 }
 
-// Runs f(std::integral_constant<int, W>{}) for the runtime tile width W (64 only for fp32).
-template <typename acc_t, typename F>
+// Runs f(std::integral_constant<int, W>{}) for the runtime tile width W: the smallest of
+// min_width, 2 min_width, ..., wide_width that holds W.
+template <typename acc_t, int Wc = min_width<acc_t>(), typename F>
 void with_width(int64_t W, const F& f) {
-  switch (W) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 16: f(std::integral_constant<int, 16>{}); break;
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    default: f(std::integral_constant<int, sizeof(acc_t) == 4 ? 64 : 32>{}); break;
+  if constexpr (Wc >= wide_width<acc_t>()) {
+    f(std::integral_constant<int, Wc>{});
+  } else {
+    if (W <= Wc)
+      f(std::integral_constant<int, Wc>{});
+    else
+      with_width<acc_t, 2 * Wc>(W, f);
   }
 }
 
@@ -277,34 +300,37 @@ bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
 
-void check_pattern(const char* op, const at::Tensor& indices, int64_t out, int64_t k) {
+// indices (out, k) of int16/int32 on the CPU; `what` names where (out, k) comes from.
+void check_pattern(const char* op, const at::Tensor& indices, int64_t out, int64_t k,
+                   const char* what = "values") {
+  TORCH_CHECK_VALUE(indices.dim() == 2, op,
+                    ": FFI indices must be a 2-D tensor (out_features, k), got ",
+                    squash_ffi_check::shape_str(indices.sizes()));
   TORCH_CHECK_VALUE(indices.scalar_type() == at::kShort || indices.scalar_type() == at::kInt,
-                    op, ": indices must be int16 or int32, got ", indices.scalar_type());
-  TORCH_CHECK_VALUE(indices.dim() == 2 && indices.size(0) == out && indices.size(1) == k, op,
-                    ": indices ", indices.sizes(), " must be (out_features, k) = (", out, ", ", k,
-                    ")");
+                    op, ": FFI indices must be int16 or int32, got ", indices.scalar_type());
+  TORCH_CHECK_VALUE(indices.size(0) == out && indices.size(1) == k, op, ": FFI ", what,
+                    " shape (", out, ", ", k, ") does not match indices shape ",
+                    squash_ffi_check::shape_str(indices.sizes()));
   TORCH_CHECK_VALUE(indices.device().is_cpu(), op, ": indices must be on the CPU");
 }
 
-// One min/max pass: every index in [0, limit), before any kernel reads through them.
+// The whole index contract (ffi_index_check.h) for rows of width in_features, before any
+// memory is read through the indices: one pass over them, the message only on failure.
 template <typename idx_t>
-void check_range(const char* op, const idx_t* idx, int64_t n, int64_t limit) {
-  if (n == 0) return;
-  idx_t lo = idx[0], hi = idx[0];
-  for (int64_t e = 0; e < n; ++e) {
-    lo = idx[e] < lo ? idx[e] : lo;
-    hi = idx[e] > hi ? idx[e] : hi;
-  }
-  TORCH_CHECK_VALUE(lo >= 0 && static_cast<int64_t>(hi) < limit, op,
-                    ": index out of range [0, ", limit, "): indices hold values from ",
-                    static_cast<int64_t>(lo), " to ", static_cast<int64_t>(hi));
+void check_indices(const char* op, const idx_t* idx, int64_t rows, int64_t k,
+                   int64_t in_features) {
+  const std::string shape = squash_ffi_check::shape_error<idx_t>(k, in_features);
+  TORCH_CHECK_VALUE(shape.empty(), op, ": ", shape);
+  if (rows == 0 || squash_ffi_check::rows_ok(idx, rows, k, in_features)) return;
+  TORCH_CHECK_VALUE(false, op, ": ", squash_ffi_check::index_error(idx, rows, k, in_features));
 }
 
-void check_range(const char* op, const at::Tensor& indices, int64_t limit) {
+void check_indices(const char* op, const at::Tensor& indices, int64_t in_features) {
+  const int64_t rows = indices.size(0), k = indices.size(1);
   if (indices.scalar_type() == at::kShort)
-    check_range(op, indices.data_ptr<int16_t>(), indices.numel(), limit);
+    check_indices(op, indices.data_ptr<int16_t>(), rows, k, in_features);
   else
-    check_range(op, indices.data_ptr<int32_t>(), indices.numel(), limit);
+    check_indices(op, indices.data_ptr<int32_t>(), rows, k, in_features);
 }
 
 void check_float(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
@@ -334,6 +360,102 @@ const acc_t* values_as_acc(const at::Tensor& values, at::Tensor& holder) {
 }
 
 at::Tensor acc_buffer(int64_t n, at::ScalarType acc) { return at::empty({n}, at::dtype(acc)); }
+
+// ---- gather-SpMM: the forward and the input gradient ------------------------------------------
+
+// A sparse matrix (rows, F) by rows: row r holds the pairs (cols[e], vals[e]) for e in
+// [ptr(r), ptr(r + 1)), columns increasing. The forward's FFI matrix has rows of k (RowsOfK);
+// the input gradient's transposed pattern (CSC of the FFI matrix) has rows of any length (RowPtr).
+struct RowsOfK {
+  int64_t k;
+  int64_t operator()(int64_t r) const { return r * k; }
+};
+struct RowPtr {
+  const int64_t* ptr;
+  int64_t operator()(int64_t r) const { return ptr[r]; }
+};
+template <typename acc_t, typename col_t, typename Ptr>
+struct Csr {
+  const col_t* cols;
+  const acc_t* vals;
+  Ptr ptr;
+  int64_t rows, nnz;
+};
+
+// dst (T, rows) = src (T, F) @ A^T, A the sparse matrix `a`: dst[t, r] = sum over r's pairs
+// (c, w) of w * src[t, c]. src rows have stride ss; dst is contiguous.
+template <typename scalar_t, typename acc_t, typename col_t, typename Ptr>
+void gather_spmm(const scalar_t* src, int64_t T, int64_t ss, int64_t F,
+                 const Csr<acc_t, col_t, Ptr>& a, scalar_t* dst) {
+  constexpr at::ScalarType acc_type = c10::CppTypeToScalarType<acc_t>::value;
+  const int64_t rows = a.rows, nnz = a.nnz;
+  // Long rows go one block of kBlockBytes of the tile at a time (128 features at W = 64), when a
+  // row holds at least kMinSegment pairs per block on average.
+  const int64_t wide = wide_width<acc_t>();
+  const int64_t block = kBlockBytes / (wide * static_cast<int64_t>(sizeof(acc_t)));
+  const bool blocked = T >= kMinBlockedTokens && nnz * block >= kMinSegment * F * rows;
+  const int64_t W = blocked ? wide : tile_width<acc_t>(F, T);
+  const int64_t nt = div_up(T, W);
+  const Blocks fb = blocked ? make_blocks(a.cols, rows, F, block, a.ptr) : Blocks{};
+
+  with_width<acc_t>(W, [&](auto w_const) {
+    constexpr int Wc = decltype(w_const)::value;
+    // Rows [r0, r1) of one token tile, its src feature-major in sT.
+    auto tile_rows = [&](const acc_t* sT, int64_t tile, int64_t r0, int64_t r1) {
+      const int64_t t0 = tile * Wc, tv = std::min<int64_t>(Wc, T - t0);
+      acc_t* blk = scratch<acc_t>(1, kRowBlock * Wc);
+      for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+        const int64_t nr = std::min(kRowBlock, r1 - rb);
+        if (blocked) {
+          std::fill(blk, blk + nr * Wc, acc_t(0));
+          for (int64_t b = 0; b < fb.nb; ++b)
+            for (int64_t r = 0; r < nr; ++r) {
+              const int32_t* seg = fb.row(rb + r);
+              const int64_t e = a.ptr(rb + r) + seg[b];
+              gather_accumulate<Wc, true>(sT, a.cols + e, a.vals + e, seg[b + 1] - seg[b],
+                                          blk + r * Wc);
+            }
+        } else {
+          for (int64_t r = 0; r < nr; ++r) {
+            const int64_t e = a.ptr(rb + r);
+            gather_accumulate<Wc, false>(sT, a.cols + e, a.vals + e, a.ptr(rb + r + 1) - e,
+                                         blk + r * Wc);
+          }
+        }
+        to_token_major(blk, nr, Wc, tv, dst + t0 * rows + rb, rows);
+      }
+    };
+    const double tile_ns = Wc * ((F + rows) * kNsPerCopy + nnz * kNsPerTileFma);
+    if (nt >= 2 * at::get_num_threads()) {
+      // Many tiles: each thread transposes its own tiles and computes all their rows.
+      at::parallel_for(0, nt, grain_for(nt, tile_ns), [&](int64_t b, int64_t e) {
+        acc_t* sT = scratch<acc_t>(0, F * Wc);
+        for (int64_t tile = b; tile < e; ++tile) {
+          to_feature_major(src + tile * Wc * ss, ss, std::min<int64_t>(Wc, T - tile * Wc), F, Wc,
+                           sT);
+          tile_rows(sT, tile, 0, rows);
+        }
+      });
+      return;
+    }
+    // Few tiles: transpose them all once, then split (tile, row block) pairs over threads.
+    at::Tensor buf = acc_buffer(nt * F * Wc, acc_type);
+    acc_t* sT = buf.data_ptr<acc_t>();
+    at::parallel_for(0, nt, grain_for(nt, Wc * F * kNsPerCopy), [&](int64_t b, int64_t e) {
+      for (int64_t tile = b; tile < e; ++tile)
+        to_feature_major(src + tile * Wc * ss, ss, std::min<int64_t>(Wc, T - tile * Wc), F, Wc,
+                         sT + tile * F * Wc);
+    });
+    const int64_t rb = split_rows(rows, nt), nrb = div_up(rows, rb);
+    const int64_t grain = grain_for(nt * nrb, tile_ns / nrb);
+    at::parallel_for(0, nt * nrb, grain, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) {
+        const int64_t tile = p / nrb, r0 = (p % nrb) * rb;
+        tile_rows(sT + tile * F * Wc, tile, r0, std::min(rows, r0 + rb));
+      }
+    });
+  });
+}
 
 // ---- forward ----------------------------------------------------------------------------------
 
@@ -371,72 +493,9 @@ void forward_impl(const at::Tensor& x2, const at::Tensor& values, const idx_t* i
 
   at::Tensor vholder;
   const acc_t* v = values_as_acc<scalar_t, acc_t>(values, vholder);
-  // Long rows go block by block of kBlockBytes of the tile (128 features at W = 64).
-  const int64_t wide = 256 / sizeof(acc_t);  // 8 vectors per gathered row
-  const int64_t block_features = kBlockBytes / (wide * static_cast<int64_t>(sizeof(acc_t)));
-  const bool blocked = T >= kMinBlockedTokens && k * block_features >= kMinSegment * in;
-  const int64_t W = blocked ? wide : tile_width(in, T, sizeof(acc_t));
-  const int64_t nt = div_up(T, W);
-  const Blocks fb = blocked ? make_blocks(idx, out, in, block_features,
-                                          [k](int64_t o) { return o * k; })
-                            : Blocks{};
-
-  with_width<acc_t>(W, [&](auto w_const) {
-    constexpr int Wc = decltype(w_const)::value;
-    // Output rows [o0, o1) of one token tile, its x feature-major in xT.
-    auto rows = [&](const acc_t* xT, int64_t tile, int64_t o0, int64_t o1) {
-      const int64_t t0 = tile * Wc, tv = std::min<int64_t>(Wc, T - t0);
-      acc_t* blk = scratch<acc_t>(1, kRowBlock * Wc);
-      for (int64_t ob = o0; ob < o1; ob += kRowBlock) {
-        const int64_t nr = std::min(kRowBlock, o1 - ob);
-        if (blocked) {
-          std::fill(blk, blk + nr * Wc, acc_t(0));
-          for (int64_t b = 0; b < fb.nb; ++b) {
-            for (int64_t r = 0; r < nr; ++r) {
-              const int32_t* seg = fb.row(ob + r);
-              const int64_t j = (ob + r) * k + seg[b], n = seg[b + 1] - seg[b];
-              gather_accumulate<Wc, true>(xT, idx + j, v + j, n, blk + r * Wc);
-            }
-          }
-        } else {
-          for (int64_t r = 0; r < nr; ++r) {
-            gather_accumulate<Wc, false>(xT, idx + (ob + r) * k, v + (ob + r) * k, k,
-                                         blk + r * Wc);
-          }
-        }
-        to_token_major(blk, nr, Wc, tv, y + t0 * out + ob, out);
-      }
-    };
-    const double tile_ns = Wc * (in * kNsPerCopy + out * k * kNsPerTileFma);
-    if (nt >= 2 * at::get_num_threads()) {
-      // Many tiles: each thread transposes its own tiles and computes all their rows.
-      at::parallel_for(0, nt, grain_for(nt, tile_ns), [&](int64_t b, int64_t e) {
-        acc_t* xT = scratch<acc_t>(0, in * Wc);
-        for (int64_t tile = b; tile < e; ++tile) {
-          to_feature_major(x + tile * Wc * sx, sx, std::min<int64_t>(Wc, T - tile * Wc), in, Wc,
-                           xT);
-          rows(xT, tile, 0, out);
-        }
-      });
-      return;
-    }
-    // Few tiles: transpose them all once, then split (tile, row block) pairs over threads.
-    at::Tensor buf = acc_buffer(nt * in * Wc, c10::CppTypeToScalarType<acc_t>::value);
-    acc_t* xT = buf.data_ptr<acc_t>();
-    at::parallel_for(0, nt, grain_for(nt, Wc * in * kNsPerCopy), [&](int64_t b, int64_t e) {
-      for (int64_t tile = b; tile < e; ++tile)
-        to_feature_major(x + tile * Wc * sx, sx, std::min<int64_t>(Wc, T - tile * Wc), in, Wc,
-                         xT + tile * in * Wc);
-    });
-    const int64_t rb = split_rows(out, nt), nob = div_up(out, rb);
-    const int64_t grain = grain_for(nt * nob, rb * k * Wc * kNsPerTileFma);
-    at::parallel_for(0, nt * nob, grain, [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p) {
-        const int64_t tile = p / nob, ob = (p % nob) * rb;
-        rows(xT + tile * in * Wc, tile, ob, std::min(out, ob + rb));
-      }
-    });
-  });
+  // Row o gathers its k pairs (values[o, j], x[:, indices[o, j]]).
+  const Csr<acc_t, idx_t, RowsOfK> rows{idx, v, RowsOfK{k}, out, out * k};
+  gather_spmm<scalar_t>(x, T, sx, in, rows, y);
 }
 
 at::Tensor ffi_linear_cpu(const at::Tensor& x, const at::Tensor& values,
@@ -449,13 +508,12 @@ at::Tensor ffi_linear_cpu(const at::Tensor& x, const at::Tensor& values,
   check_pattern(op, indices, out, k);
   check_float(op, x, "x", values, "values");
   const at::Tensor idx = indices.contiguous();
-  check_range(op, idx, in);
+  check_indices(op, idx, in);
 
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
-  if (k == 0) return y.zero_();
   const at::Tensor x2 = token_rows(x);
   const at::Tensor v = values.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ffi_linear", [&] {
@@ -539,70 +597,9 @@ void grad_input_impl(const at::Tensor& g2, const at::Tensor& values, const idx_t
     }
   });
 
-  // Long columns over many grad_out rows go block by block of rows, as in the forward.
-  const int64_t wide = 256 / sizeof(acc_t);
-  const int64_t block_rows = kBlockBytes / (wide * static_cast<int64_t>(sizeof(acc_t)));
-  const bool blocked = T >= kMinBlockedTokens && out > block_rows &&
-                       nnz * block_rows >= kMinSegment * in * out;
-  const int64_t W = blocked ? wide : tile_width(out, T, sizeof(acc_t));
-  const int64_t nt = div_up(T, W);
-  const Blocks rbk = blocked ? make_blocks(col_rows, in, out, block_rows,
-                                           [ptr](int64_t i) { return ptr[i]; })
-                             : Blocks{};
-
-  with_width<acc_t>(W, [&](auto w_const) {
-    constexpr int Wc = decltype(w_const)::value;
-    // Input-gradient rows [i0, i1) of one token tile, its grad_out feature-major in gT.
-    auto rows = [&](const acc_t* gT, int64_t tile, int64_t i0, int64_t i1) {
-      const int64_t t0 = tile * Wc, tv = std::min<int64_t>(Wc, T - t0);
-      acc_t* blk = scratch<acc_t>(1, kRowBlock * Wc);
-      for (int64_t ib = i0; ib < i1; ib += kRowBlock) {
-        const int64_t nr = std::min(kRowBlock, i1 - ib);
-        if (blocked) {
-          std::fill(blk, blk + nr * Wc, acc_t(0));
-          for (int64_t b = 0; b < rbk.nb; ++b)
-            for (int64_t r = 0; r < nr; ++r) {
-              const int32_t* seg = rbk.row(ib + r);
-              const int64_t s = ptr[ib + r] + seg[b];
-              gather_accumulate<Wc, true>(gT, col_rows + s, col_w + s, seg[b + 1] - seg[b],
-                                          blk + r * Wc);
-            }
-        } else {
-          for (int64_t r = 0; r < nr; ++r) {
-            const int64_t s = ptr[ib + r];
-            gather_accumulate<Wc, false>(gT, col_rows + s, col_w + s, ptr[ib + r + 1] - s,
-                                         blk + r * Wc);
-          }
-        }
-        to_token_major(blk, nr, Wc, tv, gx + t0 * in + ib, in);
-      }
-    };
-    const double tile_ns = Wc * ((out + in) * kNsPerCopy + nnz * kNsPerTileFma);
-    if (nt >= 2 * at::get_num_threads()) {
-      at::parallel_for(0, nt, grain_for(nt, tile_ns), [&](int64_t b, int64_t e) {
-        acc_t* gT = scratch<acc_t>(0, out * Wc);
-        for (int64_t tile = b; tile < e; ++tile) {
-          to_feature_major(g + tile * Wc * sg, sg, std::min<int64_t>(Wc, T - tile * Wc), out, Wc,
-                           gT);
-          rows(gT, tile, 0, in);
-        }
-      });
-      return;
-    }
-    at::Tensor buf = acc_buffer(nt * out * Wc, acc_type);
-    acc_t* gT = buf.data_ptr<acc_t>();
-    for (int64_t tile = 0; tile < nt; ++tile)
-      to_feature_major(g + tile * Wc * sg, sg, std::min<int64_t>(Wc, T - tile * Wc), out, Wc,
-                       gT + tile * out * Wc);
-    const int64_t rb = split_rows(in, nt), nib = div_up(in, rb);
-    const int64_t grain = grain_for(nt * nib, tile_ns / nib);
-    at::parallel_for(0, nt * nib, grain, [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p) {
-        const int64_t tile = p / nib, ib = (p % nib) * rb;
-        rows(gT + tile * out * Wc, tile, ib, std::min(in, ib + rb));
-      }
-    });
-  });
+  // Row i of the input gradient gathers the pairs (values[o, j], grad_out[:, o]) of column i.
+  const Csr<acc_t, int32_t, RowPtr> cols{col_rows, col_w, RowPtr{ptr}, in, nnz};
+  gather_spmm<scalar_t>(g, T, sg, out, cols, gx);
 }
 
 at::Tensor ffi_linear_grad_input_cpu(const at::Tensor& grad_out, const at::Tensor& values,
@@ -618,13 +615,13 @@ at::Tensor ffi_linear_grad_input_cpu(const at::Tensor& grad_out, const at::Tenso
   TORCH_CHECK_VALUE(in_features >= 0, op, ": in_features must be >= 0, got ", in_features);
   check_float(op, grad_out, "grad_out", values, "values");
   const at::Tensor idx = indices.contiguous();
-  check_range(op, idx, in_features);
+  check_indices(op, idx, in_features);
 
   std::vector<int64_t> shape = grad_out.sizes().vec();
   shape.back() = in_features;
   at::Tensor gx = at::empty(shape, grad_out.options().memory_format(at::MemoryFormat::Contiguous));
   if (gx.numel() == 0) return gx;
-  if (k == 0 || out == 0) return gx.zero_();
+  if (out == 0) return gx.zero_();
   const at::Tensor g2 = token_rows(grad_out);
   const at::Tensor v = values.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -670,11 +667,11 @@ void grad_values_impl(const at::Tensor& g2, const at::Tensor& x2, const idx_t* i
 
   // Long rows go block by block of features, as in the forward, when threads take whole tiles.
   const int64_t nthreads = at::get_num_threads();
-  const int64_t wide = 256 / sizeof(acc_t);
+  const int64_t wide = wide_width<acc_t>();
   const int64_t block_features = kBlockBytes / (wide * static_cast<int64_t>(sizeof(acc_t)));
   const bool blocked = T >= kMinBlockedTokens && div_up(T, wide) >= 2 * nthreads &&
                        k * block_features >= kMinSegment * in;
-  const int64_t W = blocked ? wide : tile_width(in + out, T, sizeof(acc_t));
+  const int64_t W = blocked ? wide : tile_width<acc_t>(in + out, T);
   const int64_t nt = div_up(T, W);
   const Blocks fb = blocked ? make_blocks(idx, out, in, block_features,
                                           [k](int64_t o) { return o * k; })
@@ -756,13 +753,14 @@ at::Tensor ffi_linear_grad_values_cpu(const at::Tensor& grad_out, const at::Tens
                         x.sizes().slice(0, x.dim() - 1),
                     op, ": grad_out ", grad_out.sizes(), " and x ", x.sizes(),
                     " must share their leading dimensions");
-  TORCH_CHECK_VALUE(indices.dim() == 2, op, ": indices must be (out_features, k), got ",
-                    indices.sizes());
+  TORCH_CHECK_VALUE(indices.dim() == 2, op,
+                    ": FFI indices must be a 2-D tensor (out_features, k), got ",
+                    squash_ffi_check::shape_str(indices.sizes()));
   const int64_t out = grad_out.size(-1), k = indices.size(1), in = x.size(-1);
-  check_pattern(op, indices, out, k);
+  check_pattern(op, indices, out, k, "grad_out (..., out_features), k:");
   check_float(op, x, "x", grad_out, "grad_out");
   const at::Tensor idx = indices.contiguous();
-  check_range(op, idx, in);
+  check_indices(op, idx, in);
 
   at::Tensor gv =
       at::empty({out, k}, grad_out.options().memory_format(at::MemoryFormat::Contiguous));
@@ -781,6 +779,10 @@ at::Tensor ffi_linear_grad_values_cpu(const at::Tensor& grad_out, const at::Tens
 }
 
 }  // namespace
+
+// What this build targets, read by squash.ops.status() (through ctypes, outside the dispatcher).
+extern "C" const char* squash_ffi_cpu_isa() { return SQUASH_FFI_ISA; }
+extern "C" int squash_ffi_cpu_vector_bytes() { return SQUASH_FFI_VEC_BYTES; }
 
 TORCH_LIBRARY_IMPL(squash, CPU, m) {
   m.impl("ffi_linear", &ffi_linear_cpu);

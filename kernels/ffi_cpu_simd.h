@@ -1,10 +1,13 @@
-// SIMD helpers for the FFI CPU kernels (ffi_cpu.cpp): 32-byte vector types, 8x8 block
-// transposes with dtype conversion, and an 8-way horizontal sum.
+// SIMD helpers for the FFI CPU kernels (ffi_cpu.cpp): the vector type the target's widest unit
+// holds, 8x8 block transposes with dtype conversion, and an 8-way horizontal sum.
 //
-// The vector types are GCC/Clang vector extensions, so the micro-kernels compile to AVX2 FMA on
-// x86 (-march=native) and to the native vector unit elsewhere. The transposes and the 8-way sum
-// have AVX2/F16C versions for fp32 work on bf16/fp16/fp32 data, and portable scalar versions used
-// for fp64 and on other CPUs.
+// The vector width is chosen at compile time from the target (-march=native, or the narrower
+// variant SQUASH_CPU_ISA asks for): 64 bytes (16 fp32 lanes) with AVX-512F, 32 bytes (8 lanes)
+// with AVX2 + FMA, 16 bytes (4 lanes) with NEON on aarch64 and on any other CPU. The vector types
+// are GCC/Clang vector extensions, so the micro-kernels in ffi_cpu.cpp are written once over the
+// width and compile to zmm, ymm or NEON q-register FMAs. The tile copies transpose 8x8 blocks
+// (AVX2/F16C where present, which every AVX-512 CPU has; portable loops elsewhere): they depend
+// on the tile layout, not on the vector width. The 8-way sum folds a wide vector to 8 lanes first.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,23 +21,38 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__) && defined(SQUASH_FFI_AVX2)
+#define SQUASH_FFI_VEC_BYTES 64
+#define SQUASH_FFI_ISA "avx512"
+#elif defined(SQUASH_FFI_AVX2)
+#define SQUASH_FFI_VEC_BYTES 32
+#define SQUASH_FFI_ISA "avx2"
+#elif defined(__ARM_NEON)
+#define SQUASH_FFI_VEC_BYTES 16
+#define SQUASH_FFI_ISA "neon"
+#else
+#define SQUASH_FFI_VEC_BYTES 16
+#define SQUASH_FFI_ISA "generic"
+#endif
+
 namespace squash_ffi_cpu {
 
-typedef float vfloat __attribute__((vector_size(32)));
-typedef double vdouble __attribute__((vector_size(32)));
+constexpr int kVecBytes = SQUASH_FFI_VEC_BYTES;
+typedef float vfloat __attribute__((vector_size(kVecBytes)));
+typedef double vdouble __attribute__((vector_size(kVecBytes)));
 
-// Vec<acc_t>::type: 32 bytes of acc_t; lanes values per vector.
+// Vec<acc_t>::type: one vector of acc_t; lanes values per vector.
 template <typename acc_t>
 struct Vec;
 template <>
 struct Vec<float> {
   using type = vfloat;
-  static constexpr int lanes = 8;
+  static constexpr int lanes = kVecBytes / 4;
 };
 template <>
 struct Vec<double> {
   using type = vdouble;
-  static constexpr int lanes = 4;
+  static constexpr int lanes = kVecBytes / 8;
 };
 
 template <typename V>
@@ -150,7 +168,7 @@ inline void transpose8<float, c10::Half>(const float* s, int64_t ss, c10::Half* 
 
 #endif  // SQUASH_FFI_AVX2
 
-// out[q] += sum of the lanes of p[q], q < 8 (p: 8 vectors of acc_t).
+// out[q] += sum of the lanes of p[q], q < 8 (p: 8 vectors of acc_t; portable version).
 template <typename V, typename acc_t>
 inline void add_hsum8(const V (&p)[8], acc_t* out) {
   for (int q = 0; q < 8; ++q) {
@@ -161,16 +179,30 @@ inline void add_hsum8(const V (&p)[8], acc_t* out) {
 }
 
 #ifdef SQUASH_FFI_AVX2
-template <>
-inline void add_hsum8<vfloat, float>(const vfloat (&p)[8], float* out) {
-  const __m256 h01 = _mm256_hadd_ps((__m256)p[0], (__m256)p[1]);
-  const __m256 h23 = _mm256_hadd_ps((__m256)p[2], (__m256)p[3]);
-  const __m256 h45 = _mm256_hadd_ps((__m256)p[4], (__m256)p[5]);
-  const __m256 h67 = _mm256_hadd_ps((__m256)p[6], (__m256)p[7]);
+inline void add_hsum8_m256(const __m256 (&p)[8], float* out) {
+  const __m256 h01 = _mm256_hadd_ps(p[0], p[1]);
+  const __m256 h23 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 h45 = _mm256_hadd_ps(p[4], p[5]);
+  const __m256 h67 = _mm256_hadd_ps(p[6], p[7]);
   const __m256 a = _mm256_hadd_ps(h01, h23);  // sums 0..3: low halves | high halves
   const __m256 b = _mm256_hadd_ps(h45, h67);  // sums 4..7
   const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_add_ps(lo, hi)));
+}
+
+// Any fp32 vector of 8 or more lanes: fold halves down to 8 lanes, then the AVX2 sum.
+template <>
+inline void add_hsum8<vfloat, float>(const vfloat (&p)[8], float* out) {
+  __m256 r[8];
+  for (int q = 0; q < 8; ++q) {
+    float lanes[Vec<float>::lanes];
+    std::memcpy(lanes, &p[q], sizeof(vfloat));
+    __m256 acc = _mm256_loadu_ps(lanes);
+    for (int h = 8; h < Vec<float>::lanes; h += 8)
+      acc = _mm256_add_ps(acc, _mm256_loadu_ps(lanes + h));
+    r[q] = acc;
+  }
+  add_hsum8_m256(r, out);
 }
 #endif
 

@@ -151,12 +151,19 @@ class FFILinear(nn.Module):
 
         Returns:
             torch.Tensor: ``(..., out_features)`` in ``values``' dtype.
+
+        Raises:
+            ValueError: if ``x`` is not ``in_features`` wide.
         """
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"FFILinear: input {tuple(x.shape)} must end in in_features = {self.in_features}"
+            )
         x = x.to(self.values.dtype)
         if self._dense_probe is not None:
             weight = self.to_dense() + self._dense_probe  # (out, in); probe.grad = grad_out^T x
             return nn.functional.linear(x, weight)
-        return ffi_linear(x, self.values, self.indices)
+        return ffi_linear(x, self.values, self.indices, in_features=self.in_features)
 
     # ---- dense gradient for mask updates -----------------------------------------------------
     def record_dense_grad(self, enabled: bool = True) -> None:

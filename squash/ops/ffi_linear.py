@@ -6,6 +6,8 @@ kernel below serves every device: on first use it loads the native kernels for t
 redispatches to them, or falls back to :mod:`squash.ops.reference`.
 """
 
+from typing import Optional
+
 import torch
 
 from squash.ops import _loader, reference
@@ -21,13 +23,18 @@ _lib.define("ffi_linear_grad_values(Tensor grad_out, Tensor x, Tensor indices) -
 
 def _check(x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, x_name: str) -> None:
     """Shape and dtype checks shared by the fake and the fallback kernels (cheap, no data)."""
-    if values.dim() != 2 or indices.shape != values.shape:
+    # Worded as squash.sparsity.validate_ffi and the kernels word them.
+    if indices.dim() != 2:
         raise ValueError(
-            f"values {tuple(values.shape)} and indices {tuple(indices.shape)} must both be "
-            "(out_features, k)"
+            f"FFI indices must be a 2-D tensor (out_features, k), got {tuple(indices.shape)}"
         )
     if indices.dtype not in (torch.int16, torch.int32):
-        raise ValueError(f"indices must be int16 or int32, got {indices.dtype}")
+        raise ValueError(f"FFI indices must be int16 or int32, got {indices.dtype}")
+    if values.dim() != 2 or indices.shape != values.shape:
+        raise ValueError(
+            f"FFI values shape {tuple(values.shape)} does not match indices shape "
+            f"{tuple(indices.shape)}"
+        )
     if x.dim() < 1:
         raise ValueError(f"{x_name} must have at least one dimension")
     if x.dtype != values.dtype:
@@ -122,8 +129,68 @@ def _backward(ctx, grad_out):
 torch.library.register_autograd("squash::ffi_linear", _backward, setup_context=_setup_context)
 
 
+# The backward ops are linear in each of their float inputs, and their own gradients are FFI ops
+# again, so double backward (e.g. a gradient penalty, Hessian-vector products) is exact:
+#   grad_input(g, v)  = g @ W      -> d/dg: U @ W^T = ffi_linear(U, v);  d/dv: grad_values(g, U)
+#   grad_values(g, x) = (g^T x)[W] -> d/dg: ffi_linear(x, U);            d/dx: grad_input(g, U)
+def _grad_input_setup_context(ctx, inputs, output):
+    grad_out, values, indices, _ = inputs
+    ctx.save_for_backward(
+        grad_out if ctx.needs_input_grad[1] else None,
+        values if ctx.needs_input_grad[0] else None,
+        indices,
+    )
+
+
+def _grad_input_backward(ctx, up):
+    grad_out, values, indices = ctx.saved_tensors
+    d_grad_out = d_values = None
+    if ctx.needs_input_grad[0]:
+        d_grad_out = torch.ops.squash.ffi_linear(up, values, indices)
+    if ctx.needs_input_grad[1]:
+        d_values = torch.ops.squash.ffi_linear_grad_values(grad_out, up, indices)
+    return d_grad_out, d_values, None, None
+
+
+torch.library.register_autograd(
+    "squash::ffi_linear_grad_input", _grad_input_backward, setup_context=_grad_input_setup_context
+)
+
+
+def _grad_values_setup_context(ctx, inputs, output):
+    grad_out, x, indices = inputs
+    ctx.in_features = x.shape[-1]
+    ctx.save_for_backward(
+        grad_out if ctx.needs_input_grad[1] else None,
+        x if ctx.needs_input_grad[0] else None,
+        indices,
+    )
+
+
+def _grad_values_backward(ctx, up):
+    grad_out, x, indices = ctx.saved_tensors
+    d_grad_out = d_x = None
+    if ctx.needs_input_grad[0]:
+        d_grad_out = torch.ops.squash.ffi_linear(x, up, indices)
+    if ctx.needs_input_grad[1]:
+        d_x = torch.ops.squash.ffi_linear_grad_input(grad_out, up, indices, ctx.in_features)
+    return d_grad_out, d_x, None
+
+
+torch.library.register_autograd(
+    "squash::ffi_linear_grad_values",
+    _grad_values_backward,
+    setup_context=_grad_values_setup_context,
+)
+
+
 def ffi_linear(
-    x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, *, validate: bool = False
+    x: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    in_features: Optional[int] = None,
+    validate: bool = False,
 ) -> torch.Tensor:
     """FFI sparse linear map: ``y[..., o] = sum_j values[o, j] * x[..., indices[o, j]]``.
 
@@ -131,15 +198,21 @@ def ffi_linear(
         x (torch.Tensor): ``(..., in_features)``, float32/64, bfloat16 or float16.
         values (torch.Tensor): ``(out_features, k)`` in ``x.dtype``.
         indices (torch.Tensor): ``(out_features, k)`` int16/int32, rows strictly increasing.
-        validate (bool): check the full FFI contract of ``indices`` first (one pass over them).
-            Modules validate at construction, load and mask update, and skip it here.
+        in_features (Optional[int]): the width ``x`` must have (the logical matrix's columns).
+            The op alone cannot tell a wrong width whose columns the indices happen not to
+            reach; modules pass theirs.
+        validate (bool): check the full FFI contract of ``indices`` in Python first. The kernels
+            check it too (one pass over the indices, the same messages); this names the call.
 
     Returns:
         torch.Tensor: ``(..., out_features)`` in ``x.dtype`` (accumulated in fp32).
 
     Raises:
-        ValueError: bad shapes or dtypes; with ``validate``, indices breaking the FFI contract.
+        ValueError: bad shapes or dtypes, ``x`` not ``in_features`` wide, or indices breaking the
+            FFI contract.
     """
+    if in_features is not None and x.shape[-1] != in_features:
+        raise ValueError(f"ffi_linear: x {tuple(x.shape)} must end in in_features = {in_features}")
     if validate:
         from squash.sparsity import validate_ffi
 

@@ -157,3 +157,19 @@ def test_extra_repr():
     assert repr(FFILinear(100, 7, 10)) == (
         "FFILinear(in_features=100, out_features=7, fan_in=10, sparsity=0.900)"
     )
+
+
+@pytest.mark.parametrize("width", [20, 12, 15])
+def test_wrong_input_width_is_refused(width):
+    """An input narrower or wider than in_features is refused, whether or not an index happens
+    to fall outside it (every index of this module is < 16, but 12 may or may not reach them)."""
+    m = FFILinear(16, 8, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=rf"input \(3, {width}\) must end in in_features = 16"):
+        m(torch.randn(3, width))
+    m.record_dense_grad()  # the dense-gradient path checks alike
+    with pytest.raises(ValueError, match="must end in in_features = 16"):
+        m(torch.randn(3, width))
+    m.record_dense_grad(False)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(m(x).double(), x.double() @ m.to_dense().double().T,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip

@@ -19,7 +19,9 @@ import torch
 
 import squash
 from squash.ops import reference
-from squash.sparsity import ffi_to_dense, random_ffi_indices
+from squash.sparsity import random_ffi_indices
+
+from ffi_inputs import assert_close, dense_ops, make_inputs, run_ops
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SQUASH_KERNELS", "native") == "reference",
@@ -27,8 +29,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-# Against the float64 dense product, relative to the largest magnitude of the result.
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 # (leading shape, in_features, out_features, k): the path each one takes with 1 or 2 threads.
 SHAPES = [
@@ -62,36 +62,7 @@ def native_cpu_kernel():
 
 
 def make(lead, in_features, out_features, k, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, in_features, generator=g).to(dtype)
-    values = torch.randn(out_features, k, generator=g).to(dtype)
-    grad_out = torch.randn(*lead, out_features, generator=g).to(dtype)
-    indices = random_ffi_indices(out_features, in_features, k, generator=g)
-    return x, values, indices, grad_out
-
-
-def run_ops(x, values, indices, grad_out):
-    in_features = x.shape[-1]
-    return (
-        torch.ops.squash.ffi_linear(x, values, indices),
-        torch.ops.squash.ffi_linear_grad_input(grad_out, values, indices, in_features),
-        torch.ops.squash.ffi_linear_grad_values(grad_out, x, indices),
-    )
-
-
-def dense_ops(x, values, indices, grad_out):
-    """The three results from the dense masked matrix, in float64."""
-    w = ffi_to_dense(values.double(), indices, x.shape[-1])  # (out, in)
-    xd, gd = x.double(), grad_out.double()
-    full = gd.reshape(-1, gd.shape[-1]).T @ xd.reshape(-1, xd.shape[-1])  # (out, in)
-    return xd @ w.T, gd @ w, torch.gather(full, 1, indices.long())
-
-
-def assert_near(got, want, dtype):
-    assert got.dtype == dtype and got.shape == want.shape
-    scale = want.abs().max().item() + 1.0
-    err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
-    assert err <= TOL[dtype] * scale, f"max error {err} > {TOL[dtype]} * {scale}"
+    return make_inputs(lead, in_features, out_features, k, dtype, seed=seed)
 
 
 @pytest.mark.parametrize("lead, in_features, out_features, k", SHAPES)
@@ -102,15 +73,15 @@ def test_matches_dense_and_reference(lead, in_features, out_features, k, dtype, 
         assert indices.dtype == torch.int32
     got = run_ops(x, values, indices, grad_out)
     for g, want in zip(got, dense_ops(x, values, indices, grad_out)):
-        assert_near(g, want, dtype)
+        assert_close(g, want, dtype)
     refs = (
         reference.ffi_linear(x, values, indices),
         reference.ffi_linear_grad_input(grad_out, values, indices, in_features),
         reference.ffi_linear_grad_values(grad_out, x, indices),
     )
     for g, r in zip(got, refs):
-        # Both accumulate in fp32 (fp64): one rounding of the output apart at most.
-        assert_near(g, r.double(), dtype)
+        # Both accumulate in fp32 (fp64) and round once: two roundings apart at most.
+        assert_close(g, r, dtype, roundings=2)
 
 
 @pytest.mark.parametrize("lead, in_features, out_features, k", [s for s in SHAPES if s[1] < 32768])
@@ -185,7 +156,7 @@ def test_non_contiguous_and_broadcast_inputs(dtype, threads):
         got = run_ops(x, v_nc, i_nc, g)
         for r, want in zip(got, dense_ops(x, values, indices, g)):
             assert r.is_contiguous(), name
-            assert_near(r, want, dtype)
+            assert_close(r, want, dtype)
 
 
 def test_empty_token_dimension():
@@ -209,22 +180,22 @@ def test_out_of_range_indices_raise(index_dtype, bad_value):
     bad[4, 2] = bad_value
     for tokens in (1, 12):  # the direct paths and the tiled ones check alike
         xs, gs = x[:tokens], grad_out[:tokens]
-        with pytest.raises(ValueError, match=r"squash::ffi_linear: index out of range \[0, 40\)"):
+        with pytest.raises(ValueError, match=r"squash::ffi_linear: FFI index out of range \[0, 40\): indices\[4, 2\]"):
             torch.ops.squash.ffi_linear(xs, values, bad)
-        with pytest.raises(ValueError, match=r"squash::ffi_linear_grad_input: index out of range"):
+        with pytest.raises(ValueError, match=r"squash::ffi_linear_grad_input: FFI index out of range"):
             torch.ops.squash.ffi_linear_grad_input(gs, values, bad, 40)
-        with pytest.raises(ValueError, match=r"squash::ffi_linear_grad_values: index out of range"):
+        with pytest.raises(ValueError, match=r"squash::ffi_linear_grad_values: FFI index out of range"):
             torch.ops.squash.ffi_linear_grad_values(gs, xs, bad)
 
 
 def test_indices_beyond_a_smaller_in_features_raise():
     x, values, indices, grad_out = _inputs()
     limit = int(indices.max())  # the largest index is then out of range
-    with pytest.raises(ValueError, match="squash::ffi_linear: index out of range"):
+    with pytest.raises(ValueError, match="squash::ffi_linear: FFI index out of range"):
         torch.ops.squash.ffi_linear(x[:, :limit], values, indices)
-    with pytest.raises(ValueError, match="squash::ffi_linear_grad_input: index out of range"):
+    with pytest.raises(ValueError, match="squash::ffi_linear_grad_input: FFI index out of range"):
         torch.ops.squash.ffi_linear_grad_input(grad_out, values, indices, limit)
-    with pytest.raises(ValueError, match="squash::ffi_linear_grad_values: index out of range"):
+    with pytest.raises(ValueError, match="squash::ffi_linear_grad_values: FFI index out of range"):
         torch.ops.squash.ffi_linear_grad_values(grad_out, x[:, :limit], indices)
 
 
@@ -232,11 +203,11 @@ def test_indices_beyond_a_smaller_in_features_raise():
 def test_wrong_index_dtype_raises(index_dtype):
     x, values, indices, grad_out = _inputs()
     bad = indices.to(index_dtype)
-    with pytest.raises(ValueError, match="squash::ffi_linear: indices must be int16 or int32"):
+    with pytest.raises(ValueError, match="squash::ffi_linear: FFI indices must be int16 or int32"):
         torch.ops.squash.ffi_linear(x, values, bad)
-    with pytest.raises(ValueError, match="squash::ffi_linear_grad_input: indices must be int16"):
+    with pytest.raises(ValueError, match="squash::ffi_linear_grad_input: FFI indices must be int16"):
         torch.ops.squash.ffi_linear_grad_input(grad_out, values, bad, 40)
-    with pytest.raises(ValueError, match="squash::ffi_linear_grad_values: indices must be int16"):
+    with pytest.raises(ValueError, match="squash::ffi_linear_grad_values: FFI indices must be int16"):
         torch.ops.squash.ffi_linear_grad_values(grad_out, x, bad)
 
 
@@ -244,8 +215,10 @@ def test_shape_and_dtype_mismatches_raise():
     x, values, indices, grad_out = _inputs()
     op = "squash::ffi_linear"
     cases = [
-        (lambda: torch.ops.squash.ffi_linear(x, values[:, :4], indices), f"{op}: indices"),
-        (lambda: torch.ops.squash.ffi_linear(x, values, indices[:5]), f"{op}: indices"),
+        (lambda: torch.ops.squash.ffi_linear(x, values[:, :4], indices),
+         rf"{op}: FFI values shape \(6, 4\) does not match indices shape \(6, 5\)"),
+        (lambda: torch.ops.squash.ffi_linear(x, values, indices[:5]),
+         rf"{op}: FFI values shape \(6, 5\) does not match indices shape \(5, 5\)"),
         (lambda: torch.ops.squash.ffi_linear(x, values[0], indices), f"{op}: values must be"),
         (lambda: torch.ops.squash.ffi_linear(x[0, 0], values, indices), f"{op}: x must have"),
         (lambda: torch.ops.squash.ffi_linear(x.double(), values, indices), "must share a dtype"),
@@ -259,7 +232,7 @@ def test_shape_and_dtype_mismatches_raise():
         (lambda: torch.ops.squash.ffi_linear_grad_values(grad_out[:11], x, indices),
          f"{op}_grad_values: grad_out"),
         (lambda: torch.ops.squash.ffi_linear_grad_values(grad_out[:, :5], x, indices),
-         f"{op}_grad_values: indices"),
+         f"{op}_grad_values: FFI grad_out .* does not match indices shape"),
         (lambda: torch.ops.squash.ffi_linear_grad_values(grad_out, x.reshape(3, 4, 40), indices),
          "same number of dimensions"),
         (lambda: torch.ops.squash.ffi_linear_grad_values(grad_out.bfloat16(), x, indices),

@@ -12,9 +12,11 @@ import squash  # noqa: F401  (registers torch.ops.squash.*)
 from squash.ops import reference
 from squash.sparsity import ffi_to_dense, random_ffi_indices
 
+from ffi_inputs import bad_patterns, make_inputs
 from gpu_common import (
     EMULATOR,
     HEADER,
+    INDEX_CHECK,
     _assert_close_to,
     _hipify,
     _run,
@@ -25,6 +27,14 @@ from gpu_common import (
 # ================================================================================================
 DT_NAME = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 IT_NAME = {torch.int16: "i16", torch.int32: "i32"}
+
+
+def validate_message(values, indices, in_features):
+    from squash.sparsity import validate_ffi
+
+    with pytest.raises(ValueError) as err:
+        validate_ffi(values, indices, in_features)
+    return str(err.value)
 
 
 def _build_emulator(work: Path, sanitize: bool) -> Path:
@@ -41,6 +51,7 @@ def _build_emulator(work: Path, sanitize: bool) -> Path:
     (work / "src").mkdir()
     shutil.copy(EMULATOR / "driver.cu", work / "src" / "driver.cu")
     (work / "build").mkdir()
+    shutil.copy(INDEX_CHECK, work / "build" / INDEX_CHECK.name)  # plain C++, as the glue reads it
     paths = _hipify([HEADER, work / "src" / "driver.cu"], work / "build")
     cmd = [gxx, "-std=c++20", "-O1", "-fno-strict-aliasing", "-DUSE_ROCM=1", f"-I{work}",
            f"-I{work / 'build'}", "-x", "c++", str(paths["driver.cu"]), "-o", str(work / "driver")]
@@ -107,7 +118,7 @@ def _check_against_reference(x, values, indices, grad_out, y, gx, gv):
         (gv, reference.ffi_linear_grad_values(grad_out, x, indices)),
     ):
         assert got.dtype == x.dtype and got.shape == want.shape
-        _assert_close_to(got, want, x.dtype)
+        _assert_close_to(got, want, x.dtype, roundings=2)  # both rounded to x.dtype
     # And the dense product in float64, independent of the reference's gather/scatter.
     w = ffi_to_dense(values.double(), indices, in_features)
     _assert_close_to(y, x.double() @ w.T, x.dtype)
@@ -176,7 +187,26 @@ def test_emulated_index_validation(emulator, tmp_path):
         r = _run([str(emulator), "validate", IT_NAME[idx.dtype], str(tmp_path), "3", "3", "10"],
                  tmp_path)  # fmt: skip
         assert r.returncode == 0, r.stderr
-        assert r.stdout.split() == [str(flags), str(pos)], (idx, r.stdout)
+        assert r.stdout.splitlines()[0].split() == [str(flags), str(pos)], (idx, r.stdout)
+
+
+@pytest.mark.parametrize("case", ["out of range", "negative", "duplicate", "unsorted"])
+def test_emulated_index_errors_are_validate_ffis(emulator, tmp_path, case):
+    """The GPU path's verdict and message (device validation kernel, then the glue's host-side
+    wording) for the same bad patterns the reference and the CPU kernel are tested with
+    (test_index_contract.py): validate_ffi's ValueError text. The dtype, shape and fan-in rules
+    are checked on the host by the glue before any launch (test_gpu_kernels.py, on a GPU)."""
+    x, values, indices, _ = make_inputs((4,), 40, 6, 5, index_dtype=torch.int32)
+    for idx_dtype in (torch.int16, torch.int32):
+        bad, in_features = bad_patterns(indices.to(idx_dtype), 40)[case]
+        want = validate_message(values, bad, in_features)
+        _save(tmp_path, "indices", bad)
+        r = _run([str(emulator), "validate", IT_NAME[idx_dtype], str(tmp_path), "6", "5",
+                  str(in_features)], tmp_path)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert int(lines[0].split()[0]) != 0, f"{case}: the device check let it pass"
+        assert lines[1] == want
 
 
 @pytest.mark.slow
@@ -215,4 +245,4 @@ def test_emulated_kernels_stay_in_bounds_on_bad_indices(emulator_sanitized, tmp_
     y, _, _, _ = _emulate(emulator_sanitized, tmp_path, x, values, indices, grad_out, 4, env)
     keep = [r for r in range(70) if r != bad_row]
     want = reference.ffi_linear(x, values[keep], indices[keep])
-    _assert_close_to(y[:, keep], want, torch.bfloat16)
+    _assert_close_to(y[:, keep], want, torch.bfloat16, roundings=2)

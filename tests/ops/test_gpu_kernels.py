@@ -9,6 +9,7 @@ import squash  # noqa: F401  (registers torch.ops.squash.*)
 from squash.ops import _loader, reference
 from squash.sparsity import ffi_to_dense, random_ffi_indices
 
+from ffi_inputs import bad_patterns, contract_message, make_inputs
 from gpu_common import (
     HAS_GPU,
     _assert_close_to,
@@ -22,14 +23,7 @@ NATIVE = os.environ.get("SQUASH_KERNELS", "native") != "reference"
 
 
 def _make(lead, in_features, out_features, k, dtype, index_dtype=None, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, in_features, generator=g).to(dtype)
-    values = torch.randn(out_features, k, generator=g).to(dtype)
-    indices = random_ffi_indices(out_features, in_features, k, generator=g)
-    if index_dtype is not None:
-        indices = indices.to(index_dtype)
-    grad_out = torch.randn(*lead, out_features, generator=g).to(dtype)
-    return x.to(device), values.to(device), indices.to(device), grad_out.to(device)
+    return make_inputs(lead, in_features, out_features, k, dtype, index_dtype, seed, device)
 
 
 @pytest.mark.gpu
@@ -40,7 +34,7 @@ def test_gpu_native_kernels_load():
     check the reference against itself)."""
     x, values, indices, _ = _make((4,), 32, 8, 3, torch.float32)
     torch.ops.squash.ffi_linear(x, values, indices)
-    assert _loader.status()["cuda"] == "native", _loader._state.get("cuda")
+    assert _loader.status()["cuda"]["backend"] == "native", _loader._state.get("cuda")
     for op in ("ffi_linear", "ffi_linear_grad_input", "ffi_linear_grad_values"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"squash::{op}", "CUDA")
 
@@ -80,7 +74,7 @@ def test_gpu_matches_dense_and_reference(lead, in_features, out_features, k, dty
     _assert_close_to(xr.grad.cpu(), xd.grad, dtype)
     _assert_close_to(vr.grad.cpu(), torch.gather(w.grad, 1, indices.cpu().long()), dtype)
     # And the pure-PyTorch reference on the same device.
-    _assert_close_to(y, reference.ffi_linear(x, values, indices), dtype)
+    _assert_close_to(y, reference.ffi_linear(x, values, indices), dtype, roundings=2)
 
 
 @pytest.mark.gpu
@@ -148,7 +142,7 @@ def test_gpu_non_contiguous_and_side_stream():
     with torch.cuda.stream(stream):
         got = torch.ops.squash.ffi_linear(x_nc, v_nc, i_nc)
     stream.synchronize()
-    _assert_close_to(got, want, torch.float32)
+    _assert_close_to(got, want, torch.float32, roundings=2)
 
 
 @pytest.mark.gpu
@@ -187,3 +181,23 @@ def test_gpu_bad_indices_raise_value_error():
     idx[0, 0] = -1
     with pytest.raises(ValueError, match="out of range"):
         torch.ops.squash.ffi_linear(x, values, idx)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not NATIVE, reason="SQUASH_KERNELS=reference")
+@pytest.mark.parametrize("tokens", [0, 3, 300])  # empty, the small-token kernel, the tiled ones
+def test_gpu_bad_patterns_raise_validate_ffis_error(tokens):
+    """The same bad patterns as test_index_contract.py, validate_ffi's words, on every path."""
+    x, values, indices, grad_out = _make((tokens,), 40, 6, 5, torch.float32)
+    for case, (bad, in_features) in bad_patterns(indices, 40).items():
+        xs = x[:, :in_features]
+        v = values[:, : bad.shape[-1]] if bad.dim() == 2 else values
+        want = contract_message(v.cpu(), bad.cpu(), in_features)
+        with pytest.raises(ValueError, match=want):
+            torch.ops.squash.ffi_linear(xs, v, bad)
+        with pytest.raises(ValueError, match=want):
+            torch.ops.squash.ffi_linear_grad_input(grad_out, v, bad, in_features)
+        if bad.dim() == 2:
+            with pytest.raises(ValueError, match=contract_message(None, bad.cpu(), in_features)):
+                torch.ops.squash.ffi_linear_grad_values(grad_out, xs, bad)

@@ -1,6 +1,7 @@
 // Runs squash's hipified FFI kernels on the host emulator, in the steps of ffi_cuda.cu.
 //   driver ops DT IT DIR ntok in out k sms    x, values, indices, g -> y, gx, gv
-//   driver validate IT DIR rows k in          indices -> prints "flags position"
+//   driver validate IT DIR rows k in          indices -> prints "flags position", then (when a
+//                                             flag is set) the glue's message on the next line
 // DT: f32 f64 bf16 f16; IT: i16 i32; tensors are raw little-endian files DIR/<name>.bin;
 // sms: the SM count the split heuristics assume.
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "ffi_cuda_kernels.cuh"
+#include "ffi_index_check.h"
 
 using namespace squash_ffi;
 
@@ -189,6 +191,9 @@ int validate(const std::string& dir, int64_t rows, int64_t k, int64_t in) {
   int32_t flags[2] = {0, 0x7fffffff};
   launch_validate<I>(idx.data(), rows, k, in, flags, nullptr);
   std::printf("%d %d\n", flags[0], flags[1]);
+  // As ffi_cuda.cu's check_indices: the device verdict, then the message found on the host.
+  if (flags[0] != 0)
+    std::printf("%s\n", squash_ffi_check::index_error(idx.data(), rows, k, in).c_str());
   return 0;
 }
 
