@@ -27,7 +27,11 @@ from tqdm import tqdm
 
 from squash.modules import FFILinear, svd_initialize
 from squash.training import checkpoint as ckpt
-from squash.training.mask_update import cosine_drop_fraction, record_dense_grads, update_masks
+from squash.training.mask_update import (
+    cosine_drop_fraction,
+    record_grow_candidates,
+    update_masks,
+)
 from squash.training.config_checks import (
     ConfigKeyError,
     check_component,
@@ -61,7 +65,8 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
           adapters from the singular vectors of the loaded base weights.
         - ``mask_update`` (``every_n_steps``, ``drop_fraction``, ``until_step``): prune and regrow
           each sparse row at constant fan-in, the drop fraction decayed by a cosine to 0 at
-          ``until_step``; dense gradients are recorded only during the step before an update.
+          ``until_step``; the growth candidates come from the dense gradient of the last
+          micro-batch before an update, reduced to the candidates during its backward.
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``compile`` (per decoder layer), fp32/bf16, chunked cross-entropy, lr schedules,
           torchtune's metric loggers, ``log_every_n_steps``, peak memory (max RSS on the CPU), a
@@ -404,8 +409,12 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1
-                    if micro == 0 and self._mask_update_due(step):
-                        record_dense_grads(self._model, True)
+                    if micro == self._grad_accum - 1 and self._mask_update_due(step):
+                        # the growth candidates of this step's last micro-batch, computed during
+                        # its backward without holding a dense gradient
+                        mu = self._mask_update
+                        drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
+                        record_grow_candidates(self._model, drop)
                     utils.batch_to_device(batch, self._device)
                     tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
                     loss = self._loss_step(batch) * tokens

@@ -81,6 +81,8 @@ class FFILinear(nn.Module):
             torch.empty(out_features, fan_in, dtype=index_dtype(in_features), device=device),
         )
         self._dense_probe: Optional[torch.Tensor] = None
+        self._grow_n = 0  # > 0: the next backwards record growth candidates (mask updates)
+        self.grow_candidates: Optional[torch.Tensor] = None
         if indices is None:
             self.reset_parameters(generator=generator)
         else:
@@ -163,7 +165,11 @@ class FFILinear(nn.Module):
         if self._dense_probe is not None:
             weight = self.to_dense() + self._dense_probe  # (out, in); probe.grad = grad_out^T x
             return nn.functional.linear(x, weight)
-        return ffi_linear(x, self.values, self.indices, in_features=self.in_features)
+        y = ffi_linear(x, self.values, self.indices, in_features=self.in_features)
+        if self._grow_n > 0 and y.requires_grad:
+            x_seen = x.detach()  # autograd keeps x for the values' gradient anyway
+            y.register_hook(lambda grad: self._record_candidates(x_seen, grad))
+        return y
 
     # ---- dense gradient for mask updates -----------------------------------------------------
     def record_dense_grad(self, enabled: bool = True) -> None:
@@ -182,6 +188,43 @@ class FFILinear(nn.Module):
             )
         else:
             self._dense_probe = None
+
+    def record_grow_candidates(self, n: int) -> None:
+        """Record, at each following backward, the ``n`` best columns to grow in every row.
+
+        The candidates of a row are its ``n`` absent columns of largest ``|grad_out^T @ x|``
+        (the dense weight gradient of that backward, summed over tokens; ties to the lower
+        column), kept in :attr:`grow_candidates` ``(out_features, n)``, best first. The dense
+        gradient is computed in blocks of rows of at most 4 MiB and reduced to the candidates at
+        once, so recording costs ``(out_features, n)`` indices, not a dense ``(out, in)`` matrix
+        (compare :meth:`record_dense_grad`). Each backward replaces the previous candidates: with
+        gradient accumulation, record during the last micro-batch. ``n = 0`` stops and frees.
+
+        Raises:
+            ValueError: if ``n`` is negative or more than the absent columns of a row.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.in_features - self.fan_in:
+            raise ValueError(
+                f"n must be an integer in [0, in_features - fan_in = "
+                f"{self.in_features - self.fan_in}], got {n!r}"
+            )
+        self._grow_n = n
+        self.grow_candidates = None
+
+    @torch.no_grad()
+    def _record_candidates(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        x2 = x.reshape(-1, self.in_features).float()  # (T, in)
+        g2 = grad.reshape(-1, self.out_features).float()  # (T, out)
+        idx = self.indices.long()
+        rows = max(1, (1 << 20) // self.in_features)  # fp32 scores of at most 4 MiB at once
+        best = torch.empty(self.out_features, self._grow_n, dtype=torch.long, device=x.device)
+        for r0 in range(0, self.out_features, rows):
+            r1 = min(r0 + rows, self.out_features)
+            score = (g2[:, r0:r1].T @ x2).abs_()  # (rows, in): |dense gradient| of these rows
+            score.scatter_(1, idx[r0:r1], -1.0)  # present columns rank last
+            order = torch.sort(score, dim=1, descending=True, stable=True).indices
+            best[r0:r1] = order[:, : self._grow_n]
+        self.grow_candidates = best
 
     @property
     def dense_grad(self) -> Optional[torch.Tensor]:

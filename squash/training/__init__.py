@@ -8,6 +8,7 @@ from squash.training.mask_update import (
     cosine_drop_fraction,
     prune_and_regrow,
     record_dense_grads,
+    record_grow_candidates,
     update_masks,
 )
 from squash.training.memory import (
@@ -27,5 +28,6 @@ __all__ = [
     "max_rank_within",
     "prune_and_regrow",
     "record_dense_grads",
+    "record_grow_candidates",
     "update_masks",
 ]

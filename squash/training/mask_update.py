@@ -62,6 +62,7 @@ def prune_and_regrow(
     drop_fraction: float,
     *,
     in_features: Optional[int] = None,
+    grow_candidates: Optional[torch.Tensor] = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
     generator: Optional[torch.Generator] = None,
 ) -> int:
@@ -71,9 +72,12 @@ def prune_and_regrow(
         values (torch.Tensor): ``(out, k)`` values; the ``nn.Parameter`` the optimizer holds.
         indices (torch.Tensor): ``(out, k)`` sorted int16/int32 column ids; updated in place.
         dense_grad (Optional[torch.Tensor]): ``(out, in)`` gradient of the logical dense matrix;
-            None grows at random absent columns.
+            None grows at ``grow_candidates``, or else at random absent columns.
         drop_fraction (float): fraction of each row's ``k`` entries to replace, in ``[0, 1]``.
         in_features (Optional[int]): width of the dense matrix; taken from ``dense_grad`` if given.
+        grow_candidates (Optional[torch.Tensor]): ``(out, m)`` absent columns of each row, best
+            first, ``m >`` the entries replaced (as :meth:`FFILinear.record_grow_candidates`
+            records them); the first of them are grown. Only without ``dense_grad``.
         optimizer (Optional[torch.optim.Optimizer]): whose state for ``values`` is moved/reset.
         generator (Optional[torch.Generator]): CPU generator for random growth.
 
@@ -110,15 +114,18 @@ def prune_and_regrow(
     keep_slots = torch.sort(order[:, n:], dim=1).values  # (out, k - n) old slots kept
 
     # Grow: the n largest scores among columns absent before the update.
-    if dense_grad is None:
+    if dense_grad is None and grow_candidates is not None:
+        grown = _checked_candidates(grow_candidates, idx, n, in_features)
+    elif dense_grad is None:
         with torch.device("cpu"):
             score = torch.rand(out, in_features, generator=generator).to(device)
     else:
         score = dense_grad.detach().abs().float()
-    present = torch.zeros(out, in_features, dtype=torch.bool, device=device)
-    present.scatter_(1, idx, True)
-    score = score.masked_fill(present, -1.0)  # scores are >= 0, so absent columns rank first
-    grown = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]  # (out, n)
+    if dense_grad is not None or grow_candidates is None:
+        present = torch.zeros(out, in_features, dtype=torch.bool, device=device)
+        present.scatter_(1, idx, True)
+        score = score.masked_fill(present, -1.0)  # scores are >= 0: absent columns rank first
+        grown = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]  # (out, n)
 
     # New sorted rows; src is the old slot of each new entry, or -1 for grown entries.
     cols = torch.cat([torch.gather(idx, 1, keep_slots), grown], dim=1)  # (out, k)
@@ -140,6 +147,27 @@ def prune_and_regrow(
     indices.copy_(cols.to(index_dtype(in_features)))
     validate_ffi(values, indices, in_features, where="mask update")
     return n
+
+
+def _checked_candidates(
+    candidates: torch.Tensor, idx: torch.Tensor, n: int, in_features: int
+) -> torch.Tensor:
+    """The first ``n`` growth candidates of each row, checked: enough of them, in range, not
+    already present and not repeated in a row."""
+    out = idx.shape[0]
+    if candidates.dim() != 2 or candidates.shape[0] != out or candidates.shape[1] < n:
+        raise ValueError(
+            f"grow_candidates {tuple(candidates.shape)} must be (out={out}, >= {n}) (mask update)"
+        )
+    grown = candidates[:, :n].to(device=idx.device, dtype=torch.long)
+    if grown.numel() and (grown.min() < 0 or grown.max() >= in_features):
+        raise ValueError(f"grow_candidates must lie in [0, {in_features}) (mask update)")
+    taken = torch.zeros(out, in_features, dtype=torch.int32, device=idx.device)
+    taken.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
+    taken.scatter_add_(1, grown, torch.ones_like(grown, dtype=torch.int32))
+    if bool((taken > 1).any()):
+        raise ValueError("grow_candidates repeat a column or name a present one (mask update)")
+    return grown
 
 
 def _entries_replaced(drop_fraction: float, k: int, in_features: int) -> int:
@@ -164,6 +192,26 @@ def record_dense_grads(model: nn.Module, enabled: bool = True) -> None:
             module.record_dense_grad(enabled)
 
 
+def record_grow_candidates(model: nn.Module, drop_fraction: float) -> Dict[str, int]:
+    """Record, during the next backward, what an update at ``drop_fraction`` will grow, for
+    every FFILinear in ``model`` (see :meth:`FFILinear.record_grow_candidates`): the memory of
+    a dense gradient is never held, only ``(out, n)`` candidate columns per factor.
+
+    Returns:
+        Dict[str, int]: candidates per row, by module name.
+
+    Raises:
+        ValueError: if ``drop_fraction`` is not in ``[0, 1]``.
+    """
+    drop_fraction = check_real("drop_fraction", drop_fraction, low=0.0, high=1.0)
+    wanted = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FFILinear):
+            wanted[name] = _entries_replaced(drop_fraction, module.fan_in, module.in_features)
+            module.record_grow_candidates(wanted[name])
+    return wanted
+
+
 def update_masks(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
@@ -175,9 +223,10 @@ def update_masks(
 ) -> Dict[str, int]:
     """Prune and regrow every FFILinear in ``model`` (see :func:`prune_and_regrow`).
 
-    Dense gradients come from ``dense_grads`` (keyed by module name, e.g.
-    ``layers.0.attn.q_proj.lora_a``) or else from each module's recorded
-    :attr:`~squash.modules.FFILinear.dense_grad`. Recording is switched off afterwards.
+    Growth follows ``dense_grads`` (keyed by module name, e.g. ``layers.0.attn.q_proj.lora_a``),
+    or else each module's recorded :attr:`~squash.modules.FFILinear.dense_grad`, or else its
+    recorded :attr:`~squash.modules.FFILinear.grow_candidates` (:func:`record_grow_candidates`,
+    the same choice at a fraction of the memory). Recording is switched off afterwards.
 
     Regrown entries start at zero. An adapter whose factors are both FFI
     (``sparse_factor="both"``) would lose every value of both factors if each row of each were
@@ -220,13 +269,15 @@ def update_masks(
     for name, module in model.named_modules():
         if not isinstance(module, FFILinear):
             continue
-        grad = None
+        grad = candidates = None
         if not random_growth:
             grad = (dense_grads or {}).get(name, module.dense_grad)
-            if grad is None:
+            candidates = module.grow_candidates if grad is None else None
+            if grad is None and candidates is None:
                 raise ValueError(
-                    f"no dense gradient for {name!r}: call record_dense_grads(model) before the "
-                    "forward/backward that precedes the mask update, or pass dense_grads"
+                    f"no dense gradient for {name!r}: call record_grow_candidates(model, ...) "
+                    "or record_dense_grads(model) before the forward/backward that precedes the "
+                    "mask update, or pass dense_grads"
                 )
         replaced[name] = prune_and_regrow(
             module.values,
@@ -234,8 +285,10 @@ def update_masks(
             grad,
             drop_fraction,
             in_features=module.in_features,
+            grow_candidates=candidates,
             optimizer=optimizer,
             generator=generator,
         )
         module.record_dense_grad(False)
+        module.record_grow_candidates(0)
     return replaced

@@ -59,6 +59,13 @@ def test_sparse_adapter_lowers_the_loss_against_the_same_run_with_the_adapter_of
     assert gain > 0.05, (trained, off)
     for step, value in PINNED.items():
         assert trained[step] == pytest.approx(value, rel=1e-5), (step, trained)
+    # the mask update of step 10 (every 10 steps, until 40, drop 0.3 cosine-decayed) replaced
+    # round(drop * k) entries of each row: k = 13 for the 128-wide inputs, 26 for fc2's 256
+    drop = 0.3 / 2 * (1 + math.cos(math.pi * 10 / 40))
+    per_layer = [round(drop * 13)] * 5 + [round(drop * 26)]
+    assert logged(tmp_path / "trained", "mask_update/replaced_per_row") == pytest.approx(
+        {10: sum(per_layer) / len(per_layer)}
+    )
 
 
 def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(run, tmp_path):

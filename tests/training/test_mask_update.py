@@ -259,3 +259,53 @@ def test_sparsity_package_imports_nothing_else_of_squash():
                 imported.update(alias.name for alias in node.names)
     squash_imports = {name for name in imported if name.split(".")[0] == "squash"}
     assert squash_imports and all(n.startswith("squash.sparsity") for n in squash_imports)
+
+
+def test_grow_candidates_choose_what_the_dense_gradient_chooses_without_holding_it():
+    """The candidates recorded during backward equal the dense path's choice, from an
+    independently computed dense gradient g^T x; the update they drive equals the dense one."""
+    import copy
+
+    from squash.modules import FFILinear
+    from squash.sparsity import ffi_to_dense
+    from squash.training import prune_and_regrow, record_grow_candidates, update_masks
+
+    torch.manual_seed(3)
+    layer = FFILinear(300, 40, fan_in=30)  # scores in one block of rows
+    wide = FFILinear(5000, 500, fan_in=50)  # blocks of 2**20 // 5000 = 209 rows: three blocks
+    for module, tokens in ((layer, (3, 17)), (wide, (64,))):
+        x = torch.randn(*tokens, module.in_features)
+        g = torch.randn(*tokens, module.out_features)
+        model = torch.nn.ModuleDict({"f": module})
+        wanted = record_grow_candidates(model, drop_fraction=0.3)
+        n = round(0.3 * module.fan_in)
+        assert wanted == {"f": n}
+        (module(x) * g).sum().backward()
+        dense_grad = g.reshape(-1, module.out_features).T @ x.reshape(-1, module.in_features)
+        assert module.grow_candidates.shape == (module.out_features, n)
+
+        reference = copy.deepcopy(module)
+        prune_and_regrow(reference.values, reference.indices, dense_grad, 0.3)
+        update_masks(model, None, drop_fraction=0.3)
+        assert torch.equal(module.indices, reference.indices)
+        assert torch.equal(module.values, reference.values)
+        assert module.grow_candidates is None  # freed after the update
+        # grown entries are exactly the columns that were absent and scored highest
+        grown = ffi_to_dense(torch.ones_like(module.values), module.indices, module.in_features)
+        assert int(grown.sum()) == module.out_features * module.fan_in
+
+
+def test_grow_candidates_are_checked():
+    from squash.modules import FFILinear
+    from squash.training import prune_and_regrow
+
+    module = FFILinear(10, 2, fan_in=3)
+    with pytest.raises(ValueError, match="in_features - fan_in = 7"):
+        module.record_grow_candidates(8)
+    present = module.indices.long()
+    with pytest.raises(ValueError, match="name a present one"):
+        prune_and_regrow(module.values, module.indices, None, 0.34, in_features=10,
+                         grow_candidates=present[:, :1])
+    with pytest.raises(ValueError, match=r"must be \(out=2, >= 1\)"):
+        prune_and_regrow(module.values, module.indices, None, 0.34, in_features=10,
+                         grow_candidates=torch.zeros(2, 0, dtype=torch.long))
