@@ -1,0 +1,422 @@
+"""Memory and speed of a fine-tuning step: squash against torchtune's QLoRA, side by side.
+
+On an OPT-350M-shaped model (hidden 1024, MLP 4096, vocabulary 50,272; ``--layers`` of its 24
+layers; random weights, or ``--checkpoint-dir`` with a real HF checkpoint), adapters on q, k, v,
+output projections and both MLP linears, one process builds every row's model and times their
+training steps (forward, backward, AdamW step) in interleaved rounds, so load from elsewhere hits
+all rows alike. The rows:
+
+- ``torchtune QLoRA r``: torchtune's ``LoRALinear`` on NF4 weights (what torchtune's
+  ``lora_finetune_single_device`` trains with a ``qlora_*`` model): the baseline.
+- ``squash r, A 90%``, and squash at the largest ranks whose adapter + gradient + AdamW bytes fit
+  in the baseline's (``squash.training.max_rank_within``), with A 90% sparse and with A and B.
+- the same with a mask update every ``--mask-every`` steps (update steps timed on their own).
+- ``LoRA r, no quantization``: dense base weights.
+
+Peak memory is measured per row in a fresh process, during one step after a warm-up step (on
+the CPU the process's peak resident memory, VmHWM, reset through ``/proc/self/clear_refs``; on a
+GPU ``torch.cuda.max_memory_allocated``), and, for the mask row, during the step that records
+growth candidates and updates the masks. Then the real recipes run on
+the same model for a few steps (``tune run lora_finetune_single_device`` and ``tune run
+squash_finetune``) and their logged tokens/s and peak memory are added, so the script's numbers
+can be tied to what the recipes do. The table is printed and written to ``benchmarks/results/``.
+
+    python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
+    python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ffi_kernels import machine_line  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+OPT_350M = dict(vocab_size=50_272, num_heads=16, embed_dim=1024, intermediate_dim=4096,
+                max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False)  # fmt: skip
+MODULES = ["q_proj", "k_proj", "v_proj", "output_proj"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=24, help="decoder layers (OPT-350M: 24)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample")
+    p.add_argument("--rank", type=int, default=16, help="the baseline's rank")
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row (after 1 warm-up)")
+    p.add_argument("--mask-every", type=int, default=2, help="mask update every N steps")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU")
+    p.add_argument("--checkpoint-dir", default=None, help="a real HF OPT checkpoint directory")
+    p.add_argument("--no-recipes", action="store_true", help="skip the tune run rows")
+    p.add_argument("--out", default=str(RESULTS), help="directory for the table")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: one row's peak memory
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    if args.steps <= args.mask_every:
+        p.error(f"--steps ({args.steps}) must exceed --mask-every ({args.mask_every})")
+    return args
+
+
+# ---- the rows -------------------------------------------------------------------------------------
+def shapes(layers: int):
+    d, f = OPT_350M["embed_dim"], OPT_350M["intermediate_dim"]
+    return [(d, d)] * 4 * layers + [(d, f), (f, d)] * layers
+
+
+def rows(args):
+    """``[(label, lora_opt kwargs, mask update?)]``; squash's ranks fill the baseline's bytes."""
+    from squash.training import lora_adapter_memory, max_rank_within
+
+    dtype, s = DTYPES[args.dtype], args.sparsity
+    budget = lora_adapter_memory(shapes(args.layers), args.rank, dtype=dtype).total_bytes
+    r_both = max_rank_within(budget, shapes(args.layers), sparsity=s, sparse_factor="both",
+                             dtype=dtype)
+    r_a = max_rank_within(budget, shapes(args.layers), sparsity=s, sparse_factor="a", dtype=dtype)
+    r, pct = args.rank, f"{round(s * 100)}%"
+    q = dict(quantize_base=True)
+    return [
+        (f"torchtune QLoRA r={r}", dict(lora_rank=r, **q), False),
+        (f"squash r={r}, A {pct}", dict(lora_rank=r, sparsity=s, sparse_factor="a", **q), False),
+        (f"squash r={r_a}, A {pct}", dict(lora_rank=r_a, sparsity=s, sparse_factor="a", **q), False),
+        (f"squash r={r_both}, A+B {pct}",
+         dict(lora_rank=r_both, sparsity=s, sparse_factor="both", **q), False),
+        (f"squash r={r_both}, A+B {pct}, mask update",
+         dict(lora_rank=r_both, sparsity=s, sparse_factor="both", **q), True),
+        (f"LoRA r={r}, no quantization", dict(lora_rank=r, quantize_base=False), False),
+    ]  # fmt: skip
+
+
+def build(args, kwargs, base_state_dict):
+    from torchtune import training
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    from squash.models.opt import lora_opt
+
+    with training.set_default_dtype(DTYPES[args.dtype]), torch.device(args.device):
+        model = lora_opt(MODULES, True, num_layers=args.layers, lora_alpha=2 * kwargs["lora_rank"],
+                         **OPT_350M, **kwargs)  # fmt: skip
+    model.load_state_dict(base_state_dict, strict=False)
+    set_trainable_params(model, get_adapter_params(model))
+    model.set_num_output_chunks(8)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, optimizer
+
+
+def make_batch(args):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, OPT_350M["vocab_size"], (args.batch, args.seq_len), generator=g)
+    return tokens.to(args.device)
+
+
+def train_step(model, optimizer, tokens, mask_update_drop=None):
+    """One step; with ``mask_update_drop``, record growth candidates and update the masks."""
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    from squash.training import record_grow_candidates, update_masks
+
+    if mask_update_drop is not None:
+        record_grow_candidates(model, mask_update_drop)
+    labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], dim=1)
+    loss = CEWithChunkedOutputLoss(num_output_chunks=8)(model(tokens), labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if mask_update_drop is not None:
+        update_masks(model, optimizer, mask_update_drop)
+    return loss.item()
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def base_state_dict(args, ckpt_dir: Path):
+    from squash.models.opt import OPTCheckpointer
+
+    with tempfile.TemporaryDirectory() as out:
+        sd = OPTCheckpointer(str(ckpt_dir), _weight_files(ckpt_dir), out).load_checkpoint()
+    return {k: v.to(DTYPES[args.dtype]) for k, v in sd["model"].items()}
+
+
+def _weight_files(ckpt_dir: Path):
+    index = sorted(ckpt_dir.glob("*.index.json"))
+    if index:
+        return [index[0].name]
+    return sorted(p.name for p in ckpt_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
+
+
+def write_random_checkpoint(args, path: Path) -> Path:
+    """An OPT-350M-shaped HF checkpoint with ``args.layers`` layers and random weights, plus the
+    tiny OPT's tokenizer files (its ids are a subset of OPT's)."""
+    import transformers
+
+    config = transformers.OPTConfig(
+        vocab_size=OPT_350M["vocab_size"], hidden_size=1024, num_hidden_layers=args.layers,
+        ffn_dim=4096, num_attention_heads=16, max_position_embeddings=2048,
+        word_embed_proj_dim=512, do_layer_norm_before=False, dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(config).save_pretrained(path)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(REPO / "assets" / "tiny_opt" / name, path / name)
+    return path
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+def _reset_peak(device: str) -> None:
+    """Start a new peak: the kernel's high-water mark of resident memory (VmHWM, reset through
+    /proc/self/clear_refs) on the CPU, the allocator's peak on a GPU."""
+    if device == "cpu":
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    else:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: str) -> int:
+    """Bytes: peak resident memory of this process (CPU) or peak allocated (GPU) since
+    :func:`_reset_peak`."""
+    if device != "cpu":
+        return torch.cuda.max_memory_allocated()
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def peak_child(args, ckpt_dir: Path, index: int) -> dict:
+    """In this (fresh) process: build row ``index``, run a warm-up step, then measure the peak
+    memory of one step (and, for the mask row, of an update step)."""
+    label, kwargs, mask = rows(args)[index]
+    base = base_state_dict(args, ckpt_dir)
+    model, optimizer = build(args, kwargs, base)
+    del base
+    tokens = make_batch(args)
+    train_step(model, optimizer, tokens)  # warm-up: optimizer state exists from here on
+    _reset_peak(args.device)
+    train_step(model, optimizer, tokens)
+    result = {"step_peak": _peak(args.device)}
+    if mask:
+        _reset_peak(args.device)
+        train_step(model, optimizer, tokens, mask_update_drop=0.3)
+        result["update_peak"] = _peak(args.device)
+    return result
+
+
+def measure_peaks(args, ckpt_dir: Path) -> list:
+    peaks = []
+    for i in range(len(rows(args))):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--row", str(i),
+               "--checkpoint-dir", str(ckpt_dir)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"peak-memory run of row {i} failed:\n{proc.stderr[-3000:]}")
+        peaks.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"  peak memory of row {i + 1}/{len(rows(args))} measured", flush=True)
+    return peaks
+
+
+def time_rows(args, ckpt_dir: Path) -> list:
+    """Median step seconds of every row, timed in interleaved rounds in this process."""
+    from squash.training import adapter_memory
+
+    base = base_state_dict(args, ckpt_dir)
+    built = []
+    for label, kwargs, mask in rows(args):
+        model, optimizer = build(args, kwargs, base)
+        built.append((label, model, optimizer, mask, adapter_memory(model)))
+    del base
+    tokens = make_batch(args)
+    times = [[] for _ in built]
+    update_times = [[] for _ in built]
+    for round_ in range(args.steps + 1):  # round 0 warms up
+        for i, (label, model, optimizer, mask, _) in enumerate(built):
+            drop = 0.3 if mask and round_ > 0 and round_ % args.mask_every == 0 else None
+            _sync(args.device)
+            t0 = time.perf_counter()
+            train_step(model, optimizer, tokens, mask_update_drop=drop)
+            _sync(args.device)
+            if round_ > 0:
+                (update_times if drop is not None else times)[i].append(time.perf_counter() - t0)
+        print(f"  timing round {round_}/{args.steps} done", flush=True)
+    return [
+        dict(label=label, memory=mem, step_s=statistics.median(times[i]),
+             step_spread=(min(times[i]), max(times[i])),
+             update_s=statistics.median(update_times[i]) if update_times[i] else None)
+        for i, (label, _, _, _, mem) in enumerate(built)
+    ]  # fmt: skip
+
+
+# ---- the recipes --------------------------------------------------------------------------------
+def recipe_config(args, ckpt_dir: Path, out: Path, recipe: str) -> Path:
+    squash = recipe == "squash_finetune"
+    model = {"_component_": "squash.models.opt.lora_opt", "lora_attn_modules": MODULES,
+             "apply_lora_to_mlp": True, "num_layers": args.layers, **OPT_350M,
+             "lora_rank": args.rank, "lora_alpha": 2 * args.rank, "quantize_base": True}
+    if squash:
+        r_both = next(kw["lora_rank"] for _, kw, m in rows(args)
+                      if kw.get("sparse_factor") == "both" and not m)
+        model.update(lora_rank=r_both, lora_alpha=2 * r_both, sparsity=args.sparsity,
+                     sparse_factor="both")
+    text = out.parent / "corpus.txt"
+    text.write_text((REPO / "assets" / "tiny_opt" / "corpus.txt").read_text() * 40)
+    cfg = {
+        "output_dir": str(out), "model": model, "seed": 0, "shuffle": False,
+        "tokenizer": {"_component_": "squash.models.opt.opt_tokenizer",
+                      "vocab_path": str(ckpt_dir / "vocab.json"),
+                      "merges_path": str(ckpt_dir / "merges.txt"), "max_seq_len": args.seq_len},
+        "checkpointer": {"_component_": "squash.models.opt.OPTCheckpointer",
+                         "checkpoint_dir": str(ckpt_dir), "checkpoint_files": _weight_files(ckpt_dir),
+                         "output_dir": str(out)},
+        "resume_from_checkpoint": False, "save_adapter_weights_only": True,
+        "dataset": {"_component_": "torchtune.datasets.text_completion_dataset",
+                    "source": "text", "data_files": str(text), "packed": True},
+        "batch_size": args.batch,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+        "lr_scheduler": {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                         "num_warmup_steps": 1},
+        "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
+        "epochs": 1, "max_steps_per_epoch": args.steps + 1, "gradient_accumulation_steps": 1,
+        "compile": False, "device": args.device, "dtype": args.dtype,
+        "enable_activation_checkpointing": False, "enable_activation_offloading": False,
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger",
+                          "log_dir": str(out / "logs")},
+        "log_every_n_steps": 1, "log_peak_memory_stats": True,
+    }  # fmt: skip
+    if not squash:
+        cfg["clip_grad_norm"] = None
+    path = out.parent / f"{recipe}.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    return path
+
+
+def run_recipe(args, ckpt_dir: Path, work: Path, recipe: str) -> dict:
+    out = work / f"run_{recipe}"  # not the module's name: tune run imports from this cwd
+    cfg = recipe_config(args, ckpt_dir, out, recipe)
+    tune = str(Path(sys.executable).with_name("tune"))
+    proc = subprocess.Popen([tune, "run", recipe, "--config", str(cfg)], cwd=work,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise RuntimeError(f"tune run {recipe} failed:\n{output[-3000:]}")
+    logged = {}
+    for log in (out / "logs").glob("log_*.txt"):
+        for line in log.read_text().splitlines():
+            m = re.match(r"Step (\d+) \| (.*)", line)
+            if m:
+                logged[int(m.group(1))] = dict(kv.split(":", 1) for kv in m.group(2).split())
+    later = [v for step, v in sorted(logged.items()) if step > 1]  # step 1 warms up
+    tps = statistics.median(float(v["tokens_per_second_per_gpu"]) for v in later)
+    if args.device == "cpu":
+        peak = usage.ru_maxrss * 1024  # the whole process, model loading included
+    else:
+        peak = max(float(v.get("peak_memory_alloc", 0)) for v in later) * 1024**3
+    return {"tokens_per_s": tps, "peak": peak}
+
+
+# ---- the table ------------------------------------------------------------------------------------
+PEAK_CPU = "peak resident memory (VmHWM) during one step, model included, a fresh process a row"
+PEAK_GPU = "max_memory_allocated during one step"
+
+
+def table(args, timed, peaks, recipes) -> str:
+    tokens = args.batch * args.seq_len
+    base, base_peak = timed[0], peaks[0]["step_peak"]
+    mib = 1024**2
+    lines = [
+        f"# Fine-tuning step: squash vs torchtune QLoRA ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"{machine_line(args.device, DTYPES[args.dtype])}; {_isa(args.device)}",
+        f"OPT-350M shapes, {args.layers} of 24 layers, adapters on q, k, v, output, fc1, fc2; "
+        f"{args.batch} x {args.seq_len} = {tokens} tokens a step; AdamW; step = forward + "
+        f"backward + optimizer step, median of {args.steps} interleaved rounds (min-max in "
+        f"brackets); peak = {PEAK_CPU if args.device == 'cpu' else PEAK_GPU}; "
+        f"x = ratio to the first row.",
+        "",
+        "| row | adapter params | adapter+grad+AdamW MiB | x | peak MiB | x | step s | x | tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for t, p in zip(timed, peaks):
+        m = t["memory"]
+        lo, hi = t["step_spread"]
+        lines.append(
+            f"| {t['label']} | {m.trainable_params:,} | {m.total_bytes / mib:.1f} | "
+            f"{m.total_bytes / base['memory'].total_bytes:.2f} | {p['step_peak'] / mib:.0f} | "
+            f"{p['step_peak'] / base_peak:.2f} | {t['step_s']:.2f} [{lo:.2f}-{hi:.2f}] | "
+            f"{t['step_s'] / base['step_s']:.2f} | {tokens / t['step_s']:.0f} |"
+        )
+        if t["update_s"] is not None:
+            lines.append(
+                f"| ... its mask-update step | | | | {p['update_peak'] / mib:.0f} | "
+                f"{p['update_peak'] / base_peak:.2f} ({p['update_peak'] / p['step_peak']:.2f} of "
+                f"its normal step) | {t['update_s']:.2f} | {t['update_s'] / base['step_s']:.2f} | "
+                f"{tokens / t['update_s']:.0f} |"
+            )
+    for name, r in recipes.items():
+        lines.append(
+            f"| `tune run {name}` ({'squash, A+B' if name == 'squash_finetune' else 'torchtune QLoRA'}) "
+            f"| | | | {r['peak'] / mib:.0f} (whole process) | | | | {r['tokens_per_s']:.0f} (its log) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _isa(device: str) -> str:
+    import squash.ops
+
+    info = squash.ops.status().get("cpu" if device == "cpu" else "cuda", {})
+    return f"FFI kernels: {info.get('backend', '?')} {info.get('isa', info.get('arch', ''))}".strip()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.row is not None:
+        print(json.dumps(peak_child(args, Path(args.checkpoint_dir), int(args.row))))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="squash-finetune-bench-"))
+    try:
+        if args.checkpoint_dir:
+            ckpt_dir = Path(args.checkpoint_dir)
+            args.layers = json.loads((ckpt_dir / "config.json").read_text())["num_hidden_layers"]
+        else:
+            print(f"writing a random OPT-350M-shaped checkpoint ({args.layers} layers)", flush=True)
+            ckpt_dir = write_random_checkpoint(args, work / "checkpoint")
+        print("timing the rows", flush=True)
+        timed = time_rows(args, ckpt_dir)
+        print("measuring peak memory", flush=True)
+        peaks = measure_peaks(args, ckpt_dir)
+        recipes = {}
+        if not args.no_recipes:
+            for recipe in ("lora_finetune_single_device", "squash_finetune"):
+                print(f"tune run {recipe}", flush=True)
+                recipes[recipe] = run_recipe(args, ckpt_dir, work, recipe)
+        text = table(args, timed, peaks, recipes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"finetune_{args.device.split(':')[0]}_{args.dtype}_{args.layers}layers.md"
+    (out / name).write_text(text)
+    print(f"written to {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
