@@ -63,11 +63,14 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU")
     p.add_argument("--checkpoint-dir", default=None, help="a real HF OPT checkpoint directory")
+    p.add_argument("--vocab-size", type=int, default=OPT_350M["vocab_size"],
+                   help="of the random model (smaller: a quick check of the script)")
     p.add_argument("--no-recipes", action="store_true", help="skip the tune run rows")
     p.add_argument("--out", default=str(RESULTS), help="directory for the table")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: one row's peak memory
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    args.model = dict(OPT_350M, vocab_size=args.vocab_size)
     if args.steps <= args.mask_every:
         p.error(f"--steps ({args.steps}) must exceed --mask-every ({args.mask_every})")
     return args
@@ -110,7 +113,7 @@ def build(args, kwargs, base_state_dict):
 
     with training.set_default_dtype(DTYPES[args.dtype]), torch.device(args.device):
         model = lora_opt(MODULES, True, num_layers=args.layers, lora_alpha=2 * kwargs["lora_rank"],
-                         **OPT_350M, **kwargs)  # fmt: skip
+                         **args.model, **kwargs)  # fmt: skip
     model.load_state_dict(base_state_dict, strict=False)
     set_trainable_params(model, get_adapter_params(model))
     model.set_num_output_chunks(8)
@@ -120,7 +123,7 @@ def build(args, kwargs, base_state_dict):
 
 def make_batch(args):
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, OPT_350M["vocab_size"], (args.batch, args.seq_len), generator=g)
+    tokens = torch.randint(3, args.model["vocab_size"], (args.batch, args.seq_len), generator=g)
     return tokens.to(args.device)
 
 
@@ -168,7 +171,7 @@ def write_random_checkpoint(args, path: Path) -> Path:
     import transformers
 
     config = transformers.OPTConfig(
-        vocab_size=OPT_350M["vocab_size"], hidden_size=1024, num_hidden_layers=args.layers,
+        vocab_size=args.model["vocab_size"], hidden_size=1024, num_hidden_layers=args.layers,
         ffn_dim=4096, num_attention_heads=16, max_position_embeddings=2048,
         word_embed_proj_dim=512, do_layer_norm_before=False, dropout=0.0,
     )  # fmt: skip
@@ -266,7 +269,7 @@ def time_rows(args, ckpt_dir: Path) -> list:
 def recipe_config(args, ckpt_dir: Path, out: Path, recipe: str) -> Path:
     squash = recipe == "squash_finetune"
     model = {"_component_": "squash.models.opt.lora_opt", "lora_attn_modules": MODULES,
-             "apply_lora_to_mlp": True, "num_layers": args.layers, **OPT_350M,
+             "apply_lora_to_mlp": True, "num_layers": args.layers, **args.model,
              "lora_rank": args.rank, "lora_alpha": 2 * args.rank, "quantize_base": True}
     if squash:
         r_both = next(kw["lora_rank"] for _, kw, m in rows(args)
@@ -393,7 +396,9 @@ def main(argv=None) -> int:
     try:
         if args.checkpoint_dir:
             ckpt_dir = Path(args.checkpoint_dir)
-            args.layers = json.loads((ckpt_dir / "config.json").read_text())["num_hidden_layers"]
+            hf = json.loads((ckpt_dir / "config.json").read_text())
+            args.layers = hf["num_hidden_layers"]
+            args.model["vocab_size"] = hf["vocab_size"]
         else:
             print(f"writing a random OPT-350M-shaped checkpoint ({args.layers} layers)", flush=True)
             ckpt_dir = write_random_checkpoint(args, work / "checkpoint")
