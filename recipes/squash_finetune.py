@@ -233,6 +233,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _setup_model(self, cfg_model: DictConfig, base_state_dict, compile_model: bool) -> nn.Module:
         svd = cfg_model.get("init", "lora") == "svd"
+        self._svd_init: Optional[Dict[str, torch.Tensor]] = None
         overrides = {"init": "lora"} if "init" in cfg_model else {}
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model, **overrides)
@@ -261,6 +262,8 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             done = svd_initialize(model, base_state_dict)
             if not done:
                 raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
+            # the PEFT export is relative to the original weights: keep where the adapter began
+            self._svd_init = ckpt.dense_adapter_state_dict(model)
             log.info(f"SVD-initialised {len(done)} adapters from the loaded base weights")
         training.validate_expected_param_dtype(get_adapter_params(model).items(), self._dtype)
         if self._act_ckpt:
@@ -328,6 +331,12 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.ADAPTER_KEY: ckpt.dense_adapter_state_dict(model),
             training.ADAPTER_CONFIG: self._peft_config(),
         }
+        if self._svd_init is not None:  # rank 2r: B A - B0 A0 on the original weights
+            state[training.ADAPTER_KEY] = ckpt.peft_delta_adapter(
+                state[training.ADAPTER_KEY], self._svd_init
+            )
+            peft = state[training.ADAPTER_CONFIG]
+            peft.update(r=2 * peft["r"], lora_alpha=2 * peft["lora_alpha"])
         if not self._adapter_only:
             state[training.MODEL_KEY] = ckpt.merged_state_dict(model, self._dtype)
         recipe_state = {

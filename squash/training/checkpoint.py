@@ -105,6 +105,25 @@ def dense_adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def peft_delta_adapter(
+    now: Dict[str, torch.Tensor], init: Dict[str, torch.Tensor]
+) -> Dict[str, torch.Tensor]:
+    """A dense adapter of twice the rank whose product is ``B A - B0 A0``: what an adapter
+    initialised from the base weights (``init: svd``, which moved ``B0 A0`` out of the base)
+    adds to the *original* weights, so PEFT can apply it to the unmodified pretrained model.
+
+    ``A' = [A; A0]`` ``(2r, in)``, ``B' = [B, -B0]`` ``(out, 2r)``; keep the scaling by doubling
+    ``lora_alpha`` with the rank. Both arguments are :func:`dense_adapter_state_dict` outputs.
+    """
+    out = {}
+    for key, value in now.items():
+        if key.endswith(".lora_a.weight"):
+            out[key] = torch.cat([value, init[key]], dim=0).contiguous()
+        else:
+            out[key] = torch.cat([value, -init[key]], dim=1).contiguous()
+    return out
+
+
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """The model's base state dict with every adapter merged, on the CPU, in ``dtype``.

@@ -1,5 +1,6 @@
 """The squash_finetune recipe, run for real through ``tune run`` on the tiny OPT in assets/."""
 
+import json
 import math
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(run, tmp_path)
         assert loss == pytest.approx(whole[step], rel=1e-6, abs=1e-6), (step, resumed, whole)
 
 
-def _rebuild(output_dir, name, quantize_base):
+def _rebuild(output_dir, name, quantize_base, svd=False):
     """squash's model rebuilt from a checkpoint's squash_adapter_config.json, base weights from
     the tiny OPT, adapter from the checkpoint."""
     import json
@@ -117,9 +118,15 @@ def _rebuild(output_dir, name, quantize_base):
     from squash.training import checkpoint as ckpt
 
     meta = json.loads((output_dir / name / "squash_adapter_config.json").read_text())
-    model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base)
+    model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base,
+                               init="lora")
     base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(output_dir / "reload"))
-    model.load_state_dict(base.load_checkpoint()["model"], strict=False)
+    base_state_dict = base.load_checkpoint()["model"]
+    model.load_state_dict(base_state_dict, strict=False)
+    if svd:  # the base the run trained on: the residual of the same SVD
+        from squash.modules import svd_initialize
+
+        svd_initialize(model, base_state_dict)
     ckpt.load_adapter_into(model, ckpt.load_squash_adapter(output_dir / name), output_dir / name)
     return model.eval()
 
@@ -182,3 +189,36 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     good = logged(tmp_path)
     assert all(math.isfinite(v) for v in good.values()) and max(good) == step - 1
+
+
+def test_svd_init_exports_merged_weights_near_the_original_and_a_peft_delta(run, tmp_path):
+    """With ``model.init: svd`` the base becomes the residual of the top singular directions.
+    The merged export is that residual (NF4) plus the adapter, so before any update it is the
+    pretrained weight up to the residual's smaller NF4 error; the PEFT adapter (rank 2r,
+    B A - B0 A0) applies to the original weights and gives squash's logits."""
+    import transformers
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from squash.modules._nf4 import to_nf4
+
+    run(tmp_path / "lr0", "epochs=1", "max_steps_per_epoch=1", "model.init=svd", "~mask_update")
+    original = load_file(TINY / "model.safetensors")
+    merged = load_file(tmp_path / "lr0" / "epoch_0" / "model.safetensors")
+    key = "model.decoder.layers.0.self_attn.q_proj.weight"
+    w = original[key].float()
+    nf4_error = (to_nf4(w).get_original_weight() - w).norm()
+    # step 1 ran at lr 0 (warm-up), so the adapter is still its SVD init
+    assert (merged[key] - w).norm() < 0.95 * nf4_error
+
+    run(tmp_path / "trained", "epochs=1", "max_steps_per_epoch=3", "model.init=svd",
+        "~mask_update", "model.sparse_factor=both")
+    epoch = tmp_path / "trained" / "epoch_0"
+    config = json.loads((epoch / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (64, 128)  # 2 x (32, 64)
+    model = _rebuild(tmp_path / "trained", "epoch_0", quantize_base=False, svd=True)
+    hf = transformers.OPTForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(hf, epoch / "adapter").eval()
+    tokens = torch.randint(3, 1024, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert (model(tokens) - peft_model(tokens).logits).abs().max() <= 1e-4
