@@ -113,6 +113,83 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> Dict[str, torch.T
     return out
 
 
+def peft_config(model_cfg: Any, rank: int, alpha: float) -> Dict[str, Any]:
+    """PEFT's ``adapter_config.json`` fields for a model config block (torchtune's LoRA keys)."""
+    from torchtune.modules.peft import get_lora_module_names
+
+    return {
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": get_lora_module_names(
+            list(model_cfg.lora_attn_modules),
+            model_cfg.get("apply_lora_to_mlp", False),
+            model_cfg.get("apply_lora_to_output", False),
+        ),
+        "peft_type": "LORA",
+    }
+
+
+# ---- the same exports from a full state dict (what an FSDP2 run gathers on rank 0) -------------
+def adapter_layout(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """What :func:`dense_adapter_from_full` and :func:`merged_from_full` need to know of each
+    adapter of ``model``: its scaling and, per factor, its input width (the model may be sharded
+    or on the meta device; only its structure is read)."""
+    layout = {}
+    for name, module in adapter_modules(model).items():
+        layout[name] = {
+            "scaling": _scaling(module),
+            "in_features": {
+                "lora_a": module.lora_a.in_features,
+                "lora_b": module.lora_b.in_features,
+            },
+        }
+    return layout
+
+
+def _dense_from_full(
+    full_sd: Dict[str, torch.Tensor], name: str, factor: str, in_features: int
+) -> torch.Tensor:
+    from squash.sparsity.ffi import ffi_to_dense
+
+    prefix = f"{name}.{factor}"
+    if f"{prefix}.indices" in full_sd:
+        return ffi_to_dense(full_sd[f"{prefix}.values"], full_sd[f"{prefix}.indices"], in_features)
+    return full_sd[f"{prefix}.weight"]
+
+
+def dense_adapter_from_full(
+    full_sd: Dict[str, torch.Tensor], layout: Dict[str, Dict[str, Any]]
+) -> Dict[str, torch.Tensor]:
+    """:func:`dense_adapter_state_dict` computed from a full state dict and
+    :func:`adapter_layout`."""
+    out = {}
+    for name, info in layout.items():
+        for factor in ("lora_a", "lora_b"):
+            dense = _dense_from_full(full_sd, name, factor, info["in_features"][factor])
+            out[f"{name}.{factor}.weight"] = dense.detach().cpu().contiguous()
+    return out
+
+
+@torch.no_grad()
+def merged_from_full(
+    full_sd: Dict[str, torch.Tensor], layout: Dict[str, Dict[str, Any]], dtype: torch.dtype
+) -> Dict[str, torch.Tensor]:
+    """:func:`merged_state_dict` computed from a full state dict (NF4 bases already dequantized,
+    as torchtune's ``gather_cpu_state_dict`` returns them) and :func:`adapter_layout`."""
+    adapters = dense_adapter_from_full(full_sd, layout)
+    out = {}
+    for key, value in full_sd.items():
+        if ".lora_a." in key or ".lora_b." in key or key.endswith(".magnitude"):
+            continue
+        name = key[: -len(".weight")] if key.endswith(".weight") else None
+        if name in layout:
+            a, b = adapters[f"{name}.lora_a.weight"], adapters[f"{name}.lora_b.weight"]
+            value = value.float() + layout[name]["scaling"] * (b.float() @ a.float())
+        value = value.detach().cpu()
+        out[key] = value.to(dtype) if value.is_floating_point() else value
+    return out
+
+
 # ---- writing --------------------------------------------------------------------------------------
 def _save_tensors(tensors: Dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
