@@ -299,8 +299,8 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         else:
             adapter = initial_adapter_state_dict(model, self.seed)
         if resume_dir is not None:
+            expected = set(adapter)  # every adapter tensor of the model
             adapter = ckpt.load_squash_adapter(resume_dir)
-            expected = set(initial_adapter_state_dict_keys(model))
             if set(adapter) != expected:
                 raise ValueError(
                     f"The adapter in {resume_dir} does not fit the model: missing "
@@ -570,11 +570,6 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         """Close the metric logger (rank 0)."""
         if self._metric_logger is not None:
             self._metric_logger.close()
-
-
-def initial_adapter_state_dict_keys(model: nn.Module):
-    """The adapter keys of ``model.state_dict()`` (``...lora_a.values``, ``...lora_a.indices``)."""
-    return [k for k in model.state_dict() if ".lora_a." in k or ".lora_b." in k]
 
 
 @config.parse
