@@ -30,6 +30,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from squash.modules import FFILinear, get_adapter_buffers
+from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
 from squash.training import distributed as sq_dist
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
@@ -443,7 +444,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         """(``debug``) this rank's FFI indices after the update of ``step``, for inspection."""
         out = self._output_dir / "debug"
         out.mkdir(parents=True, exist_ok=True)
-        indices = {k: v.cpu() for k, v in get_adapter_buffers(self._model).items()}
+        indices = {state_dict_key(k): v.cpu() for k, v in get_adapter_buffers(self._model).items()}
         save_file(indices, out / f"masks_step{step}_rank{self.rank}.safetensors")
 
     def train(self) -> None:

@@ -47,8 +47,10 @@ _TMP_PREFIX = ".squash-tmp-"
 def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
     """Every LoRA module of ``model`` by name: squash's ``SparseLoRALinear`` and torchtune's
     ``LoRALinear`` (anything with ``lora_a``, ``lora_b``, ``scaling`` or ``alpha``/``rank``)."""
+    from squash.modules.surgery import state_dict_key
+
     return {
-        name: m
+        state_dict_key(name): m  # named as in model.state_dict(), activation checkpointing or not
         for name, m in model.named_modules()
         if hasattr(m, "lora_a") and hasattr(m, "lora_b") and hasattr(m, "rank")
     }

@@ -20,7 +20,7 @@ know ``LoRALinear`` adapters over NF4 bases; squash adds three things:
   batch, as the single-device recipe records it.
 """
 
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torchtune import training
 
 from squash.modules import FFILinear, get_adapter_buffers
+from squash.modules.surgery import state_dict_key
 from squash.modules._nf4 import NF4Tensor, to_nf4
 from squash.training.mask_update import check_drop_keeps_adapters, prune_and_regrow
 
@@ -170,10 +171,10 @@ def load_full_state_dict(
     own = _state_tensors(model)  # not model.state_dict(): its NF4 hooks cannot read meta tensors
     unexpected = sorted(k for k in full_sd if k not in own)
     missing = sorted(k for k in own if k not in full_sd)
-    ffi = {name: m for name, m in model.named_modules() if isinstance(m, FFILinear)}
     sharded = {}
     for key in sorted(k for k in full_sd if k in own):
-        target, value = own[key], full_sd[key]
+        module, attr, target = own[key]
+        value = full_sd[key]
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(
                 f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(target.shape)} in "
@@ -190,14 +191,12 @@ def load_full_state_dict(
                 )
             sharded[key] = nn.Parameter(local.cpu() if cpu_offload else local)
             continue
-        module_name, _, attr = key.rpartition(".")
-        module = model.get_submodule(module_name)
         if isinstance(target, NF4Tensor):
             value = _broadcast(value.to(device=device))
         else:
             value = _broadcast(value.to(device=device, dtype=target.dtype))
-        if module_name in ffi and attr == "indices":
-            validate_ffi(None, value, ffi[module_name].in_features, where=f"load of {key}")
+        if isinstance(module, FFILinear) and attr == "indices":
+            validate_ffi(None, value, module.in_features, where=f"load of {key}")
         if attr in module._parameters:
             if isinstance(target, NF4Tensor):
                 value = _quantize_like(target, value, device)
@@ -205,23 +204,24 @@ def load_full_state_dict(
         else:
             module._buffers[attr] = value
     # assign=True: the meta DTensors cannot be copied into; FSDP2 takes the new ones at its
-    # lazy init (as with torchtune's loader)
+    # lazy init (as with torchtune's loader). load_state_dict maps the keys through activation
+    # checkpointing's wrappers itself.
     model.load_state_dict(sharded, strict=False, assign=True)
     return missing, unexpected
 
 
-def _state_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """What ``model.state_dict()`` holds (parameters and persistent buffers), without its
-    hooks."""
+def _state_tensors(model: nn.Module) -> Dict[str, Tuple[nn.Module, str, torch.Tensor]]:
+    """What ``model.state_dict()`` holds (parameters and persistent buffers) by its keys, each
+    with its module and attribute name; without the state-dict hooks."""
     out = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{prefix}." if prefix else ""
+        prefix = f"{state_dict_key(prefix)}." if prefix else ""
         for name, p in module._parameters.items():
             if p is not None:
-                out[prefix + name] = p
+                out[prefix + name] = (module, name, p)
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
-                out[prefix + name] = b
+                out[prefix + name] = (module, name, b)
     return out
 
 
@@ -341,8 +341,3 @@ def all_gather_objects(obj) -> List:
     dist.all_gather_object(out, obj)
     return out
 
-
-def broadcast_tensors(tensors: Iterable[torch.Tensor]) -> None:
-    """Overwrite each tensor with rank 0's (in place)."""
-    for t in tensors:
-        dist.broadcast(t.reshape(-1).view(torch.uint8), src=0)  # t is contiguous

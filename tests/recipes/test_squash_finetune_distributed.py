@@ -171,6 +171,22 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(runs, tmp_path
         assert torch.allclose(a[key].float(), b[key].float(), rtol=0, atol=1e-6), key
 
 
+def test_cpu_offload_activation_checkpointing_and_no_reshard_give_the_same_run(runs, tmp_path):
+    out = tmp_path / "offload"
+    tune_run(out, *KEYS, "batch_size=4", "epochs=1", "max_steps_per_epoch=2",
+             "save_every_n_steps=null", "save_adapter_weights_only=True", "debug=True",
+             "fsdp_cpu_offload=True", "enable_activation_checkpointing=True",
+             "fsdp_reshard_after_forward=False", recipe=RECIPE, config=DIST_CONFIG, nproc=2)  # fmt: skip
+    plain, offload = logged(runs / "dist"), logged(out)
+    assert sorted(offload) == [1, 2]  # in the warm-up: the same lr as the 2-epoch run
+    for step in (1, 2):
+        assert offload[step] == pytest.approx(plain[step], rel=1e-6), step
+    # the mask update after step 2 (gradients recorded through the recomputed forward)
+    a = load_file(runs / "dist" / "debug" / "masks_step2_rank0.safetensors")
+    b = load_file(out / "debug" / "masks_step2_rank1.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_resume_with_another_number_of_processes_is_refused(runs, tmp_path):
     import shutil
 

@@ -57,3 +57,30 @@ def test_exports_from_the_full_state_dict_equal_those_from_the_model(build):
     # the merge is not a no-op
     base = full["layers.0.attn.q_proj.weight"].to(torch.bfloat16)
     assert not torch.equal(merged_full["layers.0.attn.q_proj.weight"], base)
+
+
+def test_exports_are_keyed_as_the_state_dict_under_activation_checkpointing():
+    """checkpoint_wrapper renames modules (``layers.0._checkpoint_wrapped_module.attn``) but not
+    state-dict keys; the exports must follow the state dict, or the merge silently does nothing."""
+    from torchtune import modules, training
+
+    from squash.modules import adapter_state_dict
+
+    torch.manual_seed(0)
+    model = _trained(squash_opt_tiny(ATTN, True, lora_rank=8, lora_alpha=16, quantize_base=True,
+                                     sparsity=0.9))  # fmt: skip
+    plain_merged = ckpt.merged_state_dict(model, torch.float32)
+    plain_adapter = adapter_state_dict(model)
+    training.set_activation_checkpointing(
+        model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+    )
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
+    keys = set(model.state_dict())
+    assert set(adapter_state_dict(model)) == set(plain_adapter) <= keys
+    assert set(ckpt.dense_adapter_state_dict(model)) <= keys | {
+        k.replace(".values", ".weight") for k in keys
+    }
+    merged = ckpt.merged_state_dict(model, torch.float32)
+    assert sorted(merged) == sorted(plain_merged)
+    for key in merged:
+        assert torch.equal(merged[key], plain_merged[key]), key
