@@ -27,32 +27,26 @@ from tqdm import tqdm
 
 from squash.modules import FFILinear, svd_initialize
 from squash.training import checkpoint as ckpt
+from squash.training.adapter_init import initial_adapter_state_dict
 from squash.training.mask_update import (
     cosine_drop_fraction,
+    record_dense_grads,
     record_grow_candidates,
     update_masks,
 )
 from squash.training.config_checks import (
+    FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
     get_int,
+    parse_mask_update,
     to_plain,
 )
 
 log = utils.get_logger("INFO")
 
-# Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = {
-    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle",
-    "batch_size", "collate_fn", "optimizer", "lr_scheduler", "loss", "epochs",
-    "max_steps_per_epoch", "gradient_accumulation_steps", "clip_grad_norm", "compile", "device",
-    "dtype", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
-    "log_every_n_steps", "log_peak_memory_stats", "profiler", "resume_from_checkpoint",
-    "save_adapter_weights_only", "save_every_n_steps", "keep_last_n", "mask_update",
-    "low_cpu_ram", "cudnn_deterministic_mode",
-}  # fmt: skip
-MASK_UPDATE_KEYS = {"every_n_steps", "drop_fraction", "until_step"}
+CONFIG_KEYS = FINETUNE_CONFIG_KEYS  # torchtune's LoRA recipe keys plus squash's own
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -65,8 +59,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
           adapters from the singular vectors of the loaded base weights.
         - ``mask_update`` (``every_n_steps``, ``drop_fraction``, ``until_step``): prune and regrow
           each sparse row at constant fan-in, the drop fraction decayed by a cosine to 0 at
-          ``until_step``; the growth candidates come from the dense gradient of the last
-          micro-batch before an update, reduced to the candidates during its backward.
+          ``until_step``; growth follows the dense gradient of the step before an update
+          (with one micro-batch reduced to growth candidates during its backward, never held
+          whole; with gradient accumulation accumulated as a dense matrix per sparse factor).
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``compile`` (per decoder layer), fp32/bf16, chunked cross-entropy, lr schedules,
           torchtune's metric loggers, ``log_every_n_steps``, peak memory (max RSS on the CPU), a
@@ -123,25 +118,11 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "enable_activation_offloading needs a CUDA/ROCm device and "
                 "enable_activation_checkpointing: True"
             )
-        self._mask_update = self._parse_mask_update(cfg.get("mask_update", None))
+        self._mask_update = parse_mask_update(cfg.get("mask_update", None))
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch = 0  # optimizer steps done in the current epoch (for resume)
         self._last_checkpoint: Optional[Path] = None
-
-    @staticmethod
-    def _parse_mask_update(block: Optional[DictConfig]) -> Optional[Dict[str, Any]]:
-        if block is None:
-            return None
-        check_keys(block, MASK_UPDATE_KEYS, where="mask_update")
-        every = get_int(block, "every_n_steps", None, minimum=1, where="mask_update")
-        until = get_int(block, "until_step", None, minimum=1, where="mask_update")
-        if every is None or until is None:
-            raise ConfigKeyError("mask_update needs every_n_steps and until_step")
-        drop = block.get("drop_fraction", 0.3)
-        if not isinstance(drop, (int, float)) or not 0.0 < drop < 1.0:
-            raise ConfigKeyError(f"mask_update.drop_fraction must be in (0, 1), got {drop!r}")
-        return {"every_n_steps": every, "until_step": until, "drop_fraction": float(drop)}
 
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self, cfg: DictConfig) -> None:
@@ -258,6 +239,11 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 f"The base checkpoint does not fit model {cfg_model._component_}: missing "
                 f"{not_adapter[:5]}, unexpected {list(unexpected)[:5]}"
             )
+        # Every adapter drawn from a generator of its own (seed, module name): the same adapter
+        # as the distributed recipe's, whatever the device or world size.
+        ckpt.load_adapter_into(
+            model, initial_adapter_state_dict(model, self.seed), "the initial adapter"
+        )
         if svd:
             done = svd_initialize(model, base_state_dict)
             if not done:
@@ -367,19 +353,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         return path
 
     def _peft_config(self) -> Dict[str, Any]:
-        from torchtune.modules.peft import get_lora_module_names
-
-        m = self._model_cfg
-        return {
-            "r": self._lora_rank,
-            "lora_alpha": self._lora_alpha,
-            "target_modules": get_lora_module_names(
-                list(m.lora_attn_modules),
-                m.get("apply_lora_to_mlp", False),
-                m.get("apply_lora_to_output", False),
-            ),
-            "peft_type": "LORA",
-        }
+        return ckpt.peft_config(self._model_cfg, self._lora_rank, self._lora_alpha)
 
     # ---- training -------------------------------------------------------------------------------
     def _mask_update_due(self, step: int) -> bool:
@@ -418,12 +392,16 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1
-                    if micro == self._grad_accum - 1 and self._mask_update_due(step):
-                        # the growth candidates of this step's last micro-batch, computed during
-                        # its backward without holding a dense gradient
-                        mu = self._mask_update
-                        drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
-                        record_grow_candidates(self._model, drop)
+                    if micro == 0 and self._mask_update_due(step):
+                        # The update grows where this step's dense gradient is largest. One
+                        # micro-batch: reduce it to growth candidates during the backward, never
+                        # holding it; several: accumulate it (out x in per sparse factor).
+                        if self._grad_accum == 1:
+                            mu = self._mask_update
+                            drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
+                            record_grow_candidates(self._model, drop)
+                        else:
+                            record_dense_grads(self._model, True)
                     utils.batch_to_device(batch, self._device)
                     tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
                     loss = self._loss_step(batch) * tokens

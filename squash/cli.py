@@ -18,6 +18,9 @@ from typing import Dict, List, Optional
 # recipe module -> the configs that run it (names without .yaml)
 RECIPES: Dict[str, List[str]] = {
     "squash_finetune": ["opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b"],
+    "squash_finetune_distributed": [
+        "opt_tiny_distributed", "opt350m_distributed", "llama3_2_1b_distributed",
+    ],
 }
 
 

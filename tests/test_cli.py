@@ -15,6 +15,8 @@ def _squash(*args, cwd=None):
 
 def test_ls_lists_the_recipe_and_every_shipped_config():
     out = _squash("ls").stdout
+    rows = [line.split() for line in out.splitlines()]
+    assert ["squash_finetune_distributed", "opt_tiny_distributed"] in rows
     assert "squash_finetune" in out
     for path in (REPO / "configs").glob("*.yaml"):
         assert path.stem in out
@@ -47,7 +49,7 @@ def test_a_regular_install_ships_the_recipe_module_and_the_configs(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = tmp_path.glob("squash-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "squash_finetune.py" in names
+    assert {"squash_finetune.py", "squash_finetune_distributed.py"} <= names
     assert not any(n.startswith(("recipes/", "configs/")) for n in names)
     configs = {f"squash/_configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     assert configs and configs <= names

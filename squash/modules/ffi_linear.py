@@ -81,6 +81,7 @@ class FFILinear(nn.Module):
             torch.empty(out_features, fan_in, dtype=index_dtype(in_features), device=device),
         )
         self._dense_probe: Optional[torch.Tensor] = None
+        self._record_dense = False
         self._grow_n = 0  # > 0: the next backwards record growth candidates (mask updates)
         self.grow_candidates: Optional[torch.Tensor] = None
         if indices is None:
@@ -162,6 +163,13 @@ class FFILinear(nn.Module):
                 f"FFILinear: input {tuple(x.shape)} must end in in_features = {self.in_features}"
             )
         x = x.to(self.values.dtype)
+        if self._record_dense and self._dense_probe is None:
+            # made at the first forward, where the values are: under FSDP2 with CPU offload the
+            # module's sharded values live on the CPU, the gathered ones on the accelerator
+            self._dense_probe = torch.zeros(
+                self.out_features, self.in_features, dtype=self.values.dtype,
+                device=x.device, requires_grad=True,
+            )  # fmt: skip
         if self._dense_probe is not None:
             weight = self.to_dense() + self._dense_probe  # (out, in); probe.grad = grad_out^T x
             return nn.functional.linear(x, weight)
@@ -178,16 +186,8 @@ class FFILinear(nn.Module):
         While enabled, every backward adds ``grad_out^T @ x`` (summed over all leading dims) to
         :attr:`dense_grad`; the values receive the same gradient as on the sparse path.
         """
-        if enabled:
-            self._dense_probe = torch.zeros(
-                self.out_features,
-                self.in_features,
-                dtype=self.values.dtype,
-                device=self.values.device,
-                requires_grad=True,
-            )
-        else:
-            self._dense_probe = None
+        self._record_dense = bool(enabled)
+        self._dense_probe = None  # made by the next forward while enabled
 
     def record_grow_candidates(self, n: int) -> None:
         """Record, at each following backward, the ``n`` best columns to grow in every row.

@@ -116,4 +116,15 @@ def adapter_state_dict(model: nn.Module, device: Optional[str] = "cpu") -> Dict[
         Dict[str, Any]: detached tensors keyed as in ``model.state_dict()``.
     """
     tensors = {**get_adapter_params(model), **get_adapter_buffers(model)}
-    return {k: v.detach().to(device) for k, v in tensors.items()}
+    return {state_dict_key(k): v.detach().to(device) for k, v in tensors.items()}
+
+
+# What torch's checkpoint_wrapper (activation checkpointing) adds to module names and removes
+# from state-dict keys.
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def state_dict_key(name: str) -> str:
+    """A module or tensor name as ``model.state_dict()`` spells it (without the
+    ``_checkpoint_wrapped_module.`` that activation checkpointing adds to module names)."""
+    return name.replace(_CHECKPOINT_WRAPPED, "")

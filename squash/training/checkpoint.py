@@ -44,23 +44,13 @@ _TMP_PREFIX = ".squash-tmp-"
 
 
 # ---- what a model's adapters look like -----------------------------------------------------------
-# Wrappers that activation checkpointing and torch.compile put in module names but not in
-# state-dict keys.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def state_dict_name(name: str) -> str:
-    """A module name as its state-dict keys spell it (wrapper prefixes removed)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """Every LoRA module of ``model`` by its state-dict name: squash's ``SparseLoRALinear`` and
-    torchtune's ``LoRALinear`` (anything with ``lora_a``, ``lora_b`` and ``rank``)."""
+    """Every LoRA module of ``model`` by name: squash's ``SparseLoRALinear`` and torchtune's
+    ``LoRALinear`` (anything with ``lora_a``, ``lora_b``, ``scaling`` or ``alpha``/``rank``)."""
+    from squash.modules.surgery import state_dict_key
+
     return {
-        state_dict_name(name): m
+        state_dict_key(name): m  # named as in model.state_dict(), activation checkpointing or not
         for name, m in model.named_modules()
         if hasattr(m, "lora_a") and hasattr(m, "lora_b") and hasattr(m, "rank")
     }
@@ -149,6 +139,83 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> Dict[str, torch.T
         value = merged.get(key, value)
         if hasattr(value, "get_original_weight"):
             value = value.get_original_weight()
+        value = value.detach().cpu()
+        out[key] = value.to(dtype) if value.is_floating_point() else value
+    return out
+
+
+def peft_config(model_cfg: Any, rank: int, alpha: float) -> Dict[str, Any]:
+    """PEFT's ``adapter_config.json`` fields for a model config block (torchtune's LoRA keys)."""
+    from torchtune.modules.peft import get_lora_module_names
+
+    return {
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": get_lora_module_names(
+            list(model_cfg.lora_attn_modules),
+            model_cfg.get("apply_lora_to_mlp", False),
+            model_cfg.get("apply_lora_to_output", False),
+        ),
+        "peft_type": "LORA",
+    }
+
+
+# ---- the same exports from a full state dict (what an FSDP2 run gathers on rank 0) -------------
+def adapter_layout(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """What :func:`dense_adapter_from_full` and :func:`merged_from_full` need to know of each
+    adapter of ``model``: its scaling and, per factor, its input width (the model may be sharded
+    or on the meta device; only its structure is read)."""
+    layout = {}
+    for name, module in adapter_modules(model).items():
+        layout[name] = {
+            "scaling": _scaling(module),
+            "in_features": {
+                "lora_a": module.lora_a.in_features,
+                "lora_b": module.lora_b.in_features,
+            },
+        }
+    return layout
+
+
+def _dense_from_full(
+    full_sd: Dict[str, torch.Tensor], name: str, factor: str, in_features: int
+) -> torch.Tensor:
+    from squash.sparsity.ffi import ffi_to_dense
+
+    prefix = f"{name}.{factor}"
+    if f"{prefix}.indices" in full_sd:
+        return ffi_to_dense(full_sd[f"{prefix}.values"], full_sd[f"{prefix}.indices"], in_features)
+    return full_sd[f"{prefix}.weight"]
+
+
+def dense_adapter_from_full(
+    full_sd: Dict[str, torch.Tensor], layout: Dict[str, Dict[str, Any]]
+) -> Dict[str, torch.Tensor]:
+    """:func:`dense_adapter_state_dict` computed from a full state dict and
+    :func:`adapter_layout`."""
+    out = {}
+    for name, info in layout.items():
+        for factor in ("lora_a", "lora_b"):
+            dense = _dense_from_full(full_sd, name, factor, info["in_features"][factor])
+            out[f"{name}.{factor}.weight"] = dense.detach().cpu().contiguous()
+    return out
+
+
+@torch.no_grad()
+def merged_from_full(
+    full_sd: Dict[str, torch.Tensor], layout: Dict[str, Dict[str, Any]], dtype: torch.dtype
+) -> Dict[str, torch.Tensor]:
+    """:func:`merged_state_dict` computed from a full state dict (NF4 bases already dequantized,
+    as torchtune's ``gather_cpu_state_dict`` returns them) and :func:`adapter_layout`."""
+    adapters = dense_adapter_from_full(full_sd, layout)
+    out = {}
+    for key, value in full_sd.items():
+        if ".lora_a." in key or ".lora_b." in key or key.endswith(".magnitude"):
+            continue
+        name = key[: -len(".weight")] if key.endswith(".weight") else None
+        if name in layout:
+            a, b = adapters[f"{name}.lora_a.weight"], adapters[f"{name}.lora_b.weight"]
+            value = value.float() + layout[name]["scaling"] * (b.float() @ a.float())
         value = value.detach().cpu()
         out[key] = value.to(dtype) if value.is_floating_point() else value
     return out

@@ -8,9 +8,22 @@ they name, before anything is built.
 
 import difflib
 import inspect
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+
+# Every top-level key the fine-tuning recipes read: torchtune's LoRA recipe keys plus squash's own.
+FINETUNE_CONFIG_KEYS = frozenset({
+    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle",
+    "batch_size", "collate_fn", "optimizer", "lr_scheduler", "loss", "epochs",
+    "max_steps_per_epoch", "gradient_accumulation_steps", "clip_grad_norm", "compile", "device",
+    "dtype", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
+    "log_every_n_steps", "log_peak_memory_stats", "profiler", "resume_from_checkpoint",
+    "save_adapter_weights_only", "save_every_n_steps", "keep_last_n", "mask_update",
+    "low_cpu_ram", "cudnn_deterministic_mode",
+})  # fmt: skip
+MASK_UPDATE_KEYS = frozenset({"every_n_steps", "drop_fraction", "until_step"})
 
 
 class ConfigKeyError(ValueError):
@@ -102,3 +115,23 @@ def get_int(cfg: Mapping, key: str, default: Optional[int], *, minimum: int, whe
             f"{where + '.' if where else ''}{key} must be an integer >= {minimum}, got {value!r}"
         )
     return value
+
+
+def parse_mask_update(block: Optional[Mapping]) -> Optional[Dict[str, Any]]:
+    """The ``mask_update`` block as ``{every_n_steps, until_step, drop_fraction}`` (None when
+    absent: a static mask); ``drop_fraction`` defaults to 0.3.
+
+    Raises:
+        ConfigKeyError: an unknown key, a missing ``every_n_steps``/``until_step``, a bad value.
+    """
+    if block is None:
+        return None
+    check_keys(block, MASK_UPDATE_KEYS, where="mask_update")
+    every = get_int(block, "every_n_steps", None, minimum=1, where="mask_update")
+    until = get_int(block, "until_step", None, minimum=1, where="mask_update")
+    if every is None or until is None:
+        raise ConfigKeyError("mask_update needs every_n_steps and until_step")
+    drop = block.get("drop_fraction", 0.3)
+    if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 < drop < 1.0:
+        raise ConfigKeyError(f"mask_update.drop_fraction must be in (0, 1), got {drop!r}")
+    return {"every_n_steps": every, "until_step": until, "drop_fraction": float(drop)}

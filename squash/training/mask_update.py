@@ -253,18 +253,7 @@ def update_masks(
     drop_fraction = check_real("drop_fraction", drop_fraction, low=0.0, high=1.0)
     if not isinstance(random_growth, bool):
         raise ValueError(f"random_growth must be a bool, got {random_growth!r}")
-    for name, module in model.named_modules():
-        factors = (getattr(module, "lora_a", None), getattr(module, "lora_b", None))
-        if isinstance(module, SparseLoRALinear) and all(isinstance(f, FFILinear) for f in factors):
-            if all(
-                _entries_replaced(drop_fraction, f.fan_in, f.in_features) == f.fan_in
-                for f in factors
-            ):
-                raise ValueError(
-                    f"drop_fraction={drop_fraction} would replace every entry of both FFI factors "
-                    f"of {name or '<root>'!r} with zeros, and an adapter whose factors are both "
-                    "zero never trains again (both gradients stay 0); use a smaller drop_fraction"
-                )
+    check_drop_keeps_adapters(model, drop_fraction)
     replaced = {}
     for name, module in model.named_modules():
         if not isinstance(module, FFILinear):
@@ -292,3 +281,24 @@ def update_masks(
         module.record_dense_grad(False)
         module.record_grow_candidates(0)
     return replaced
+
+
+def check_drop_keeps_adapters(model: nn.Module, drop_fraction: float) -> None:
+    """Refuse a ``drop_fraction`` that would replace every entry of both FFI factors of an
+    adapter (see :func:`update_masks`).
+
+    Raises:
+        ValueError: naming the adapter.
+    """
+    for name, module in model.named_modules():
+        factors = (getattr(module, "lora_a", None), getattr(module, "lora_b", None))
+        if isinstance(module, SparseLoRALinear) and all(isinstance(f, FFILinear) for f in factors):
+            if all(
+                _entries_replaced(drop_fraction, f.fan_in, f.in_features) == f.fan_in
+                for f in factors
+            ):
+                raise ValueError(
+                    f"drop_fraction={drop_fraction} would replace every entry of both FFI factors "
+                    f"of {name or '<root>'!r} with zeros, and an adapter whose factors are both "
+                    "zero never trains again (both gradients stay 0); use a smaller drop_fraction"
+                )

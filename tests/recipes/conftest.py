@@ -19,15 +19,22 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 
 def tune_run(output_dir: Path, *overrides: str, recipe: str = "squash_finetune",
              config: Path = TINY_CONFIG, cwd: Path = REPO, check: bool = True,
-             timeout: int = 600, env: Dict[str, str] = None) -> subprocess.CompletedProcess:
-    """``tune run RECIPE --config CONFIG output_dir=... OVERRIDES`` in ``cwd``."""
-    cmd = [TUNE, "run", recipe, "--config", str(config), f"output_dir={output_dir}", *QUICK,
-           *overrides]
+             timeout: int = 600, env: Dict[str, str] = None,
+             nproc: int = 0) -> subprocess.CompletedProcess:
+    """``tune run [--standalone --nproc_per_node NPROC] RECIPE --config CONFIG output_dir=...
+    OVERRIDES`` in ``cwd`` (``--standalone``: torchrun on a free port)."""
+    cmd = [TUNE, "run", *launcher(nproc), recipe, "--config", str(config),
+           f"output_dir={output_dir}", *QUICK, *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def launcher(nproc: int) -> List[str]:
+    """``tune run`` options that start ``nproc`` processes on this machine (none for 0)."""
+    return ["--standalone", "--nproc_per_node", str(nproc)] if nproc else []
 
 
 def logged(output_dir: Path, key: str = "loss") -> Dict[int, float]:

@@ -13,8 +13,10 @@ from tests.recipes.conftest import REPO, logged
 TINY = REPO / "assets" / "tiny_opt"
 
 # Losses of the first steps of configs/opt_tiny.yaml with QUICK overrides, seed 1234, recorded
-# from this recipe; step 1 is also checked against an independent computation below.
-PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.917429178702731, 4: 6.895930432457213}
+# from this recipe; step 1 is also checked against an independent computation below. Steps 3 and
+# 4 depend on the initial adapter (drawn per module from (seed, name) since the distributed
+# recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
+PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
 
 
 def _first_batch_loss_by_hand(tmp_path) -> float:

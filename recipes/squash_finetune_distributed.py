@@ -1,0 +1,601 @@
+"""squash_finetune_distributed: fine-tune a (Q)LoRA model with FFI-sparse adapters on several
+devices with PyTorch FSDP2.
+
+Run it as ``tune run --nproc_per_node 2 squash_finetune_distributed --config
+configs/opt_tiny_distributed.yaml`` (installed with squash; torchrun underneath), or copy it
+(``squash cp squash_finetune_distributed my_recipe.py``) and run the copy by its name.
+"""
+
+import os
+import resource
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, ListConfig
+from safetensors.torch import save_file
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from torchtune.recipe_interfaces import FTRecipeInterface
+from tqdm import tqdm
+
+from squash.modules import FFILinear, get_adapter_buffers
+from squash.modules.surgery import state_dict_key
+from squash.training import checkpoint as ckpt
+from squash.training import distributed as sq_dist
+from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
+from squash.training.config_checks import (
+    FINETUNE_CONFIG_KEYS,
+    ConfigKeyError,
+    check_component,
+    check_keys,
+    get_int,
+    parse_mask_update,
+    to_plain,
+)
+from squash.training.mask_update import cosine_drop_fraction, record_dense_grads
+
+log = utils.get_logger("INFO")
+
+# The single-device recipe's keys, plus FSDP's (as in torchtune's lora_finetune_distributed) and
+# ``debug``.
+CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {
+    "fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers", "debug",
+}  # fmt: skip
+
+
+class SquashFinetuneRecipeDistributed(FTRecipeInterface):
+    """QLoRA fine-tuning with Fixed Fan-In sparse adapter factors, sharded with FSDP2
+    (``fully_shard`` per decoder layer) over the processes ``tune run --nproc_per_node N`` (or
+    ``torchrun``) starts: NCCL/RCCL on GPUs, gloo on the CPU. Follows torchtune's
+    ``lora_finetune_distributed``; the config keys are ``squash_finetune``'s plus FSDP's.
+
+    Features:
+        - The model is built on the meta device and sharded before any weight exists: NF4 base
+          weights, FFI values and dense factors are sharded by rows; the FFI indices are
+          buffers, replicated whole and identical on every rank (taken from rank 0). NF4 weights
+          torchao cannot split evenly over the ranks (tiny models) stay whole on every rank.
+        - Every rank reads the base checkpoint and keeps its own shard, as torchtune does; the
+          adapters are then initialised from generators seeded by ``seed`` and the module name
+          (:mod:`squash.training.adapter_init`), so a run starts from the same adapter on any
+          number of devices, ``squash_finetune`` included. ``model.init: svd`` is supported.
+        - ``mask_update``: each rank records the dense gradient of its micro-batches; before an
+          update they are summed over ranks; every rank computes the same new masks from the
+          gathered values and keeps its rows of values and optimizer moments. ``debug: True``
+          checks after each update (and at the start) that the indices are identical on every
+          rank (an all-gather) and writes each rank's indices to ``output_dir/debug/``.
+        - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
+          CUDA), ``fsdp_cpu_offload`` (parameters, gradients and optimizer state on the CPU),
+          ``fsdp_reshard_after_forward``, ``custom_sharded_layers``, ``compile`` (per layer),
+          fp32/bf16, lr schedules, torchtune's metric loggers (rank 0), peak memory.
+        - Checkpoints as ``squash_finetune`` writes them (``epoch_N``, ``step_N``, atomic; squash
+          adapter, PEFT adapter, merged HF weights, recipe state), gathered on rank 0; the
+          recipe state holds every rank's RNG and data position, so ``resume_from_checkpoint``
+          continues exactly (with the same number of processes).
+        - A NaN or inf loss on any rank stops every rank before the optimizer step.
+
+    Args:
+        cfg (DictConfig): the parsed config.
+
+    Raises:
+        ConfigKeyError: as ``squash_finetune`` (unknown or misspelled keys, bad values, ...).
+        ValueError: fp16, activation offloading off CUDA, a resume with another number of
+            processes than the run that saved the checkpoint.
+        FileNotFoundError: ``resume_from_checkpoint`` with no checkpoint in ``output_dir``.
+        RuntimeError: not started by a distributed launcher; a NaN or inf loss; (``debug``)
+            FFI indices that differ between ranks.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        check_keys(cfg, CONFIG_KEYS)
+        for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
+                    "loss", "epochs", "batch_size"):  # fmt: skip
+            if cfg.get(key) is None:
+                raise ConfigKeyError(f"Missing config key: {key}")
+        self._device = utils.get_device(device=cfg.get("device", None))
+        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        if self._dtype == torch.float16:
+            raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        self._output_dir = Path(cfg.output_dir)
+        self._log_every_n_steps = get_int(cfg, "log_every_n_steps", 1, minimum=1)
+        self._log_peak_memory_stats = bool(cfg.get("log_peak_memory_stats", True))
+        self.seed = training.set_seed(
+            seed=cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )  # each rank's RNG is seeded with seed + rank (dropout differs per rank)
+        self.total_epochs = get_int(cfg, "epochs", None, minimum=1)
+        self.max_steps_per_epoch = get_int(cfg, "max_steps_per_epoch", None, minimum=1)
+        self._grad_accum = get_int(cfg, "gradient_accumulation_steps", 1, minimum=1)
+        self._batch_size = get_int(cfg, "batch_size", None, minimum=1)
+        self._save_every_n_steps = get_int(cfg, "save_every_n_steps", None, minimum=1)
+        self._keep_last_n = get_int(cfg, "keep_last_n", None, minimum=1)
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._resume = bool(cfg.get("resume_from_checkpoint", False))
+        self._adapter_only = bool(cfg.get("save_adapter_weights_only", False))
+        self._act_ckpt = bool(cfg.get("enable_activation_checkpointing", False))
+        self._act_offload = bool(cfg.get("enable_activation_offloading", False))
+        if self._act_offload and (self._device.type != "cuda" or not self._act_ckpt):
+            raise ValueError(
+                "enable_activation_offloading needs a CUDA/ROCm device and "
+                "enable_activation_checkpointing: True"
+            )
+        self._cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        self._reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
+        self._debug = bool(cfg.get("debug", False))
+        self._mask_update = parse_mask_update(cfg.get("mask_update", None))
+        self.epochs_run = 0
+        self.global_step = 0
+        self._steps_in_epoch = 0
+        self._last_checkpoint: Optional[Path] = None
+        self._metric_logger = None
+
+    # ---- setup ----------------------------------------------------------------------------------
+    def setup(self, cfg: DictConfig) -> None:
+        """Build everything from ``cfg`` on every rank; when resuming, restore the newest
+        checkpoint."""
+        for key, positional in (("model", 0), ("tokenizer", 0), ("checkpointer", 0),
+                                ("dataset", 1), ("optimizer", 1), ("lr_scheduler", 1),
+                                ("loss", 0), ("metric_logger", 0)):  # fmt: skip
+            if cfg.get(key) is not None:
+                check_component(cfg[key], key, positional=positional)
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+            ckpt.clean_stale_temporaries(self._output_dir)
+        dist.barrier()
+
+        recipe_state, resume_dir = None, None
+        if self._resume:
+            resume_dir = ckpt.latest_checkpoint(self._output_dir)
+            if resume_dir is None:
+                raise FileNotFoundError(
+                    f"resume_from_checkpoint is True but {self._output_dir} holds no complete "
+                    "epoch_N or step_N checkpoint"
+                )
+            recipe_state = ckpt.load_recipe_state(resume_dir)
+            self._restore_counters(recipe_state)
+            utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
+
+        self._checkpointer = config.instantiate(cfg.checkpointer)
+        base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._model_cfg = cfg.model
+        self._model = self._setup_model(cfg, base_state_dict, resume_dir)
+        del base_state_dict
+
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        if recipe_state is not None:
+            training.load_from_full_optimizer_state_dict(
+                self._model, self._optimizer, recipe_state["optimizer"], self._device
+            )
+        self._loss_fn = config.instantiate(cfg.loss)
+        if cfg.get("compile", False):
+            self._loss_fn = training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+
+        self._dataloader = self._setup_data(
+            cfg.dataset, cfg.get("shuffle", True), cfg.get("collate_fn", None)
+        )
+        if recipe_state is not None and recipe_state.get("dataloader") is not None:
+            self._dataloader.load_state_dict(recipe_state["dataloader"][self.rank])
+        self._steps_per_epoch = len(self._dataloader) // self._grad_accum
+        if self._steps_per_epoch == 0:
+            raise ConfigKeyError(
+                f"dataset: {len(self._dataloader)} batches of batch_size={self._batch_size} per "
+                f"rank make no optimizer step with gradient_accumulation_steps={self._grad_accum}"
+            )
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+
+        self._lr_scheduler = None
+        if cfg.get("lr_scheduler") is not None:
+            self._lr_scheduler = config.instantiate(
+                cfg.lr_scheduler,
+                self._optimizer,
+                num_training_steps=self.total_epochs * self._steps_per_epoch,
+                last_epoch=self.global_step - 1,
+            )
+            if recipe_state is not None:
+                self._lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
+        self._profiler = self._setup_profiler(cfg.get("profiler", None))
+        self._ignore_labels = torch.full(
+            (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
+        )
+        self._pending_rng = recipe_state["rng"][self.rank] if recipe_state is not None else None
+
+    def _restore_counters(self, state: Dict[str, Any]) -> None:
+        for key in ("epochs_run", "global_step", "steps_in_epoch", "seed", "max_steps_per_epoch",
+                    "world_size"):  # fmt: skip
+            if key not in state:
+                raise ValueError(
+                    f"The recipe state to resume from lacks {key!r} (was it written by "
+                    "squash_finetune_distributed?)"
+                )
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"The checkpoint was written by {state['world_size']} processes, this run has "
+                f"{self.world_size}; resume with --nproc_per_node {state['world_size']} (each "
+                "rank's data position and RNG are in the checkpoint)"
+            )
+        if state["max_steps_per_epoch"] != self.max_steps_per_epoch:
+            utils.log_rank_zero(
+                log,
+                f"max_steps_per_epoch is {self.max_steps_per_epoch} in the config but "
+                f"{state['max_steps_per_epoch']} in the checkpoint; using the checkpoint's",
+            )
+            self.max_steps_per_epoch = state["max_steps_per_epoch"]
+        self.epochs_run = state["epochs_run"]
+        self.global_step = state["global_step"]
+        self._steps_in_epoch = state["steps_in_epoch"]
+        self.seed = state["seed"]
+
+    def _setup_model(
+        self, cfg: DictConfig, base_state_dict: Dict[str, torch.Tensor], resume_dir: Optional[Path]
+    ) -> nn.Module:
+        cfg_model = cfg.model
+        svd = cfg_model.get("init", "lora") == "svd"
+        overrides = {"init": "lora"} if "init" in cfg_model else {}
+        t0 = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg_model, **overrides)
+        adapters = ckpt.adapter_modules(model)
+        if not adapters:
+            raise ConfigKeyError(
+                f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "
+                "squash_* builder"
+            )
+        self._has_sparse = any(isinstance(m, FFILinear) for m in model.modules())
+        if self._mask_update is not None and not self._has_sparse:
+            raise ConfigKeyError(
+                f"mask_update is set but model {cfg_model._component_} has no sparse (FFI) "
+                "factor; use a squash_* builder or remove mask_update"
+            )
+        set_trainable_params(model, get_adapter_params(model))
+        if cfg.get("compile", False):
+            training.compile_model(model, verbose=self._is_rank_zero)
+        if self._act_ckpt:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        whole = sq_dist.shard_model(
+            model,
+            cpu_offload=self._cpu_offload,
+            reshard_after_forward=self._reshard,
+            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+        )
+        if whole:
+            utils.log_rank_zero(
+                log,
+                f"{len(whole)} NF4 weights cannot be split evenly over {self.world_size} ranks "
+                f"and stay whole on every rank (e.g. {whole[0]})",
+            )
+
+        # torchtune's recipe re-initialises LoRALinear only; every adapter is materialised here
+        adapter_device = "cpu" if self._cpu_offload else self._device
+        adapter_ids = {id(m) for m in adapters.values()}
+        with training.set_default_dtype(self._dtype), self._device:
+            for module in model.modules():
+                if id(module) in adapter_ids:
+                    module.to_empty(device=adapter_device)
+                if hasattr(module, "rope_init"):
+                    module.rope_init()
+
+        if svd:
+            adapter, residual = svd_initial_state(model, base_state_dict)
+            if not adapter:
+                raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
+            base_state_dict = {**base_state_dict, **residual}
+        else:
+            adapter = initial_adapter_state_dict(model, self.seed)
+        if resume_dir is not None:
+            expected = set(adapter)  # every adapter tensor of the model
+            adapter = ckpt.load_squash_adapter(resume_dir)
+            if set(adapter) != expected:
+                raise ValueError(
+                    f"The adapter in {resume_dir} does not fit the model: missing "
+                    f"{sorted(expected - set(adapter))[:5]}, unexpected "
+                    f"{sorted(set(adapter) - expected)[:5]}"
+                )
+        missing, unexpected = sq_dist.load_full_state_dict(
+            model, {**base_state_dict, **adapter}, self._device, cpu_offload=self._cpu_offload
+        )
+        if missing or unexpected:
+            raise ValueError(
+                f"The base checkpoint does not fit model {cfg_model._component_}: missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        training.validate_no_params_on_meta_device(model)
+        if self._debug:
+            sq_dist.check_replicated(model)
+        self._act_ctx = training.get_act_offloading_ctx_manager(model, self._act_offload)
+        self._layout = ckpt.adapter_layout(model)
+        first = next(iter(adapters.values()))
+        self._lora_rank, self._lora_alpha = first.rank, first.alpha
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        utils.log_rank_zero(
+            log,
+            f"Model {cfg_model._component_}: {len(adapters)} adapters, {n_train:,} trainable "
+            f"parameters, {self._dtype}, sharded over {self.world_size} ranks on "
+            f"{self._device.type} in {time.perf_counter() - t0:.1f}s",
+        )
+        dist.barrier()
+        return model
+
+    def _setup_data(self, cfg_dataset, shuffle: bool, collate_name: Optional[str]):
+        try:
+            if isinstance(cfg_dataset, ListConfig):
+                ds = ConcatDataset([config.instantiate(c, self._tokenizer) for c in cfg_dataset])
+                packed = getattr(ds, "packed", False)
+            else:
+                ds = config.instantiate(cfg_dataset, self._tokenizer)
+                packed = cfg_dataset.get("packed", False)
+            ds[0]
+        except KeyError as e:
+            raise ConfigKeyError(
+                f"dataset: the data has no column {e}. Map yours with dataset.column_map "
+                "(e.g. column_map: {input: my_input})"
+            ) from e
+        collate = _get_component_from_path(collate_name or "torchtune.data.padded_collate_sft")
+        if not packed:
+            collate = partial(
+                collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
+            )
+        # rank r takes samples r, r + N, r + 2N, ... of the seeded permutation: N ranks with
+        # batch_size b see, step by step, the samples one device sees with batch_size N * b
+        sampler = StatefulDistributedSampler(
+            ds, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.seed
+        )
+        return StatefulDataLoader(
+            dataset=ds,
+            batch_size=self._batch_size,
+            sampler=sampler,
+            collate_fn=collate if not packed else padded_collate_packed,
+            drop_last=True,
+        )
+
+    def _setup_profiler(self, cfg_profiler: Optional[DictConfig]):
+        if cfg_profiler is None or not cfg_profiler.get("enabled", False):
+            return training.DummyProfiler()
+        if cfg_profiler.get("_component_") is None:
+            cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
+        profiler, _ = config.instantiate(cfg_profiler)
+        return profiler
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Optional[Path]:
+        """Gather the model on rank 0 and write ``epoch_{epoch}`` (or ``name``) atomically, as
+        ``squash_finetune`` does. Every rank must call it; returns the path on rank 0."""
+        name = name or f"epoch_{epoch}"
+        at_epoch_end = name.startswith("epoch_")
+        full = training.gather_cpu_state_dict(self._model, self._is_rank_zero, device=self._device)
+        optimizer = training.get_full_optimizer_state_dict(
+            self._model, self._optimizer, self._is_rank_zero, device=self._device
+        )
+        rngs = sq_dist.all_gather_objects(ckpt.rng_state(self._device))
+        loaders = sq_dist.all_gather_objects(
+            None if at_epoch_end else self._dataloader.state_dict()
+        )
+        path = None
+        if self._is_rank_zero:
+            peft = ckpt.peft_config(self._model_cfg, self._lora_rank, self._lora_alpha)
+            state: Dict[str, Any] = {
+                training.ADAPTER_KEY: ckpt.dense_adapter_from_full(full, self._layout),
+                training.ADAPTER_CONFIG: peft,
+            }
+            if not self._adapter_only:
+                state[training.MODEL_KEY] = ckpt.merged_from_full(full, self._layout, self._dtype)
+            recipe_state = {
+                "epochs_run": self.epochs_run,
+                "global_step": self.global_step,
+                "steps_in_epoch": 0 if at_epoch_end else self._steps_in_epoch,
+                "seed": self.seed,
+                "total_epochs": self.total_epochs,
+                "max_steps_per_epoch": self.max_steps_per_epoch,
+                "world_size": self.world_size,
+                "optimizer": optimizer,
+                "lr_scheduler": self._lr_scheduler.state_dict() if self._lr_scheduler else None,
+                "dataloader": None if at_epoch_end else loaders,
+                "rng": rngs,
+            }
+            path = ckpt.write_checkpoint(
+                self._output_dir,
+                name,
+                checkpointer=self._checkpointer,
+                squash_adapter={k: v for k, v in full.items() if ".lora_a." in k or ".lora_b." in k},
+                squash_adapter_config={"model": to_plain(self._model_cfg), **peft},
+                checkpointer_state=state,
+                recipe_state=recipe_state,
+                meta={"epoch": epoch, "global_step": self.global_step},
+                adapter_only=self._adapter_only,
+            )
+            log.info(f"Saved checkpoint {path}")
+        self._last_checkpoint = self._output_dir / name
+        dist.barrier()
+        return path
+
+    # ---- training -------------------------------------------------------------------------------
+    def _mask_update_due(self, step: int) -> bool:
+        mu = self._mask_update
+        return mu is not None and step % mu["every_n_steps"] == 0 and step < mu["until_step"]
+
+    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch.pop("labels")  # (b, s)
+        with self._act_ctx:
+            logits = self._model(**batch)
+        labels = torch.hstack((labels[..., 1:], self._ignore_labels[: labels.shape[0]]))
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        return self._loss_fn(logits, labels)
+
+    def _dump_masks(self, step: int) -> None:
+        """(``debug``) this rank's FFI indices after the update of ``step``, for inspection."""
+        out = self._output_dir / "debug"
+        out.mkdir(parents=True, exist_ok=True)
+        indices = {state_dict_key(k): v.cpu() for k, v in get_adapter_buffers(self._model).items()}
+        save_file(indices, out / f"masks_step{step}_rank{self.rank}.safetensors")
+
+    def train(self) -> None:
+        """The training loop; step and epoch checkpoints as configured."""
+        if self._device.type == "cuda":  # torchtune's cleanup_before_training fails on the CPU
+            training.cleanup_before_training()
+        t0 = time.perf_counter()
+        running_loss = torch.zeros((), device=self._device)
+        num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
+        micro = 0
+        with self._profiler as prof:
+            for curr_epoch in range(self.epochs_run, self.total_epochs):
+                self._dataloader.sampler.set_epoch(curr_epoch)
+                pbar = tqdm(
+                    total=self._steps_per_epoch, initial=self._steps_in_epoch,
+                    disable=not self._is_rank_zero,
+                )  # fmt: skip
+                mid_epoch = self._steps_in_epoch > 0
+                if self._pending_rng is not None and not mid_epoch:
+                    ckpt.set_rng_state(self._pending_rng, self._device)
+                batches = iter(self._dataloader)
+                if self._pending_rng is not None and mid_epoch:
+                    ckpt.set_rng_state(self._pending_rng, self._device)
+                self._pending_rng = None
+                for batch in batches:
+                    if self._steps_in_epoch >= self._steps_per_epoch:
+                        break
+                    step = self.global_step + 1
+                    if micro == 0 and self._mask_update_due(step):
+                        record_dense_grads(self._model, True)
+                    utils.batch_to_device(batch, self._device)
+                    tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+                    loss = self._loss_step(batch) * tokens
+                    running_loss += loss.detach()
+                    num_tokens += tokens
+                    loss.backward()
+                    micro += 1
+                    prof.step()
+                    if micro < self._grad_accum:
+                        continue
+
+                    dist.all_reduce(running_loss)
+                    dist.all_reduce(num_tokens)
+                    total_tokens = max(int(num_tokens), 1)
+                    if not torch.isfinite(running_loss):
+                        last = self._last_checkpoint or "none written yet"
+                        raise RuntimeError(
+                            f"The loss became {float(running_loss) / total_tokens} at step {step} "
+                            f"(epoch {curr_epoch + 1}); stopping before the optimizer step. "
+                            f"Last good checkpoint: {last}"
+                        )
+                    # FSDP averages gradients over ranks: scale the sum back, then per token
+                    training.scale_grads(self._model, torch.tensor(self.world_size / total_tokens))
+                    grad_norm = None
+                    if self._clip_grad_norm is not None:
+                        grad_norm = torch.nn.utils.clip_grad_norm_(
+                            self._model.parameters(), max_norm=float(self._clip_grad_norm)
+                        )
+                        if hasattr(grad_norm, "full_tensor"):
+                            grad_norm = grad_norm.full_tensor()
+                    lr = self._optimizer.param_groups[0]["lr"]
+                    self._optimizer.step()
+                    self._optimizer.zero_grad(set_to_none=True)
+                    if self._lr_scheduler is not None:
+                        self._lr_scheduler.step()
+                    self.global_step = step
+                    self._steps_in_epoch += 1
+                    logs = {}
+                    if self._mask_update_due(step):
+                        mu = self._mask_update
+                        drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
+                        replaced = sq_dist.update_masks_sharded(
+                            self._model, self._optimizer, drop, self._device
+                        )
+                        logs["mask_update/replaced_per_row"] = sum(replaced.values()) / max(
+                            len(replaced), 1
+                        )
+                        if self._debug:
+                            sq_dist.check_replicated(self._model)
+                            self._dump_masks(step)
+
+                    loss_value = float(running_loss) / total_tokens
+                    elapsed = time.perf_counter() - t0
+                    pbar.update(1)
+                    pbar.set_description(
+                        f"{curr_epoch + 1}|{step}|loss {loss_value:.4f} lr {lr:.2e} "
+                        f"tok/s {total_tokens / elapsed:.0f}"
+                    )
+                    if step % self._log_every_n_steps == 0 and self._is_rank_zero:
+                        logs.update(
+                            loss=loss_value,
+                            lr=lr,
+                            tokens_per_second_per_gpu=total_tokens / (elapsed * self.world_size),
+                        )
+                        if grad_norm is not None:
+                            logs["grad_norm"] = float(grad_norm)
+                        if self._log_peak_memory_stats:
+                            logs.update(self._memory_stats())
+                        self._metric_logger.log_dict(logs, step=step)
+                    running_loss.zero_()
+                    num_tokens.zero_()
+                    micro = 0
+                    if self._save_every_n_steps and step % self._save_every_n_steps == 0:
+                        self.save_checkpoint(curr_epoch, name=f"step_{step}")
+                        if self._is_rank_zero:
+                            ckpt.prune_step_checkpoints(self._output_dir, self._keep_last_n)
+                        dist.barrier()
+                    t0 = time.perf_counter()
+                pbar.close()
+                self.epochs_run += 1
+                self._steps_in_epoch = 0
+                micro = 0
+                running_loss.zero_()
+                num_tokens.zero_()
+                self.save_checkpoint(curr_epoch)
+
+    def _memory_stats(self) -> Dict[str, float]:
+        if self._device.type == "cuda":
+            return training.get_memory_stats(device=self._device)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, rank 0
+        return {"peak_memory_rss_gib": peak_kib / 1024**2}
+
+    def cleanup(self) -> None:
+        """Close the metric logger (rank 0)."""
+        if self._metric_logger is not None:
+            self._metric_logger.close()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run --nproc_per_node N squash_finetune_distributed --config CONFIG``."""
+    if not training.is_distributed():
+        raise RuntimeError(
+            "squash_finetune_distributed runs under a distributed launcher: "
+            "tune run --nproc_per_node N squash_finetune_distributed --config ... "
+            "(use squash_finetune on one device)"
+        )
+    # NCCL (RCCL on ROCm) for GPU tensors, gloo for CPU ones (and for a CPU-only run)
+    dist.init_process_group("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
+    if cfg.get("fsdp_cpu_offload", False):
+        training.set_torch_num_threads()
+    if int(os.environ.get("RANK", "0")) == 0:
+        config.log_config(recipe_name="SquashFinetuneRecipeDistributed", cfg=cfg)
+    recipe = SquashFinetuneRecipeDistributed(cfg=cfg)
+    try:
+        recipe.setup(cfg=cfg)
+        recipe.train()
+    finally:
+        recipe.cleanup()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
