@@ -78,7 +78,7 @@ HF_CONFIG = dict(
 )  # fmt: skip
 
 FULL = dict(pretrain_steps=500, pretrain_batch=64, steps=150, batch=32, n_val=256, n_test=512,
-            grid=[10 ** e for e in (-3.5, -3.0, -2.5, -2.0, -1.5)], max_widen=3, seeds=3)
+            grid=[10 ** e for e in (-3.0, -2.5, -2.0, -1.5, -1.0)], max_widen=3, seeds=5)
 # --quick: every stage on toy sizes (a 2-point grid, so the widening always runs once).
 QUICK = dict(pretrain_steps=30, pretrain_batch=16, steps=4, batch=8, n_val=16, n_test=24,
              grid=[10 ** e for e in (-3.0, -2.0)], max_widen=1, seeds=2)  # fmt: skip
@@ -405,7 +405,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--rank", type=int, default=8, help="QLoRA's rank r (default 8)")
     p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--seeds", type=int, default=None, help="test seeds per arm (default 3)")
+    p.add_argument("--seeds", type=int, default=None, help="test seeds per arm (default 5)")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--arms", default=",".join(ARM_KEYS), help="comma-separated arm keys")
     p.add_argument("--threads", type=int, default=1,
