@@ -117,3 +117,46 @@ def test_verdict_says_which_won(quick):
     assert f"Squash at equal memory (both factors 90% sparse, rank {s['rank']}) {word} QLoRA" in md
     best = min(res["arms"], key=lambda a: a["test_loss_mean"])
     assert f"Lowest test loss: {best['name']}" in md
+
+
+def test_evaluate_scores_known_predictors(tmp_path):
+    """The script's evaluation on models whose scores are known: uniform logits give loss
+    ln(vocab) and no exact match; logits one-hot on the true next token give exact match 1; one
+    wrong answer token in every other example halves it."""
+    import importlib.util
+    import math
+
+    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
+    q = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q)
+    sigma = q.make_sigma(1)
+    seqs = q.make_splits(0, 0, 8, 0)["val"]
+    path = q.write_json(tmp_path / "val.json", [q.record("code", s, sigma) for s in seqs])
+    tok = q.tokenizer()
+    samples = q.load_split(path, tok)
+    vocab = tok.vocab_size
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, spoil_every_other=False, uniform=False):
+            super().__init__()
+            self.spoil, self.uniform = spoil_every_other, uniform
+
+        def forward(self, tokens):  # (b, s) -> (b, s, vocab)
+            logits = torch.zeros(*tokens.shape, vocab)
+            if self.uniform:
+                return logits
+            nxt = torch.cat((tokens[:, 1:], tokens[:, -1:]), dim=1)
+            if self.spoil:  # the first answer token of even examples is wrong
+                for i in range(0, tokens.shape[0], 2):
+                    row = [s for s in samples if s["tokens"] == tokens[i][: len(s["tokens"])]
+                           .tolist()][0]  # fmt: skip
+                    first = next(j for j, m in enumerate(row["labels"]) if m != q.IGNORE) - 1
+                    nxt[i, first] = (nxt[i, first] + 1) % vocab
+            return logits.scatter(2, nxt.unsqueeze(-1), 50.0)
+
+    uniform = q.evaluate(Fixed(uniform=True), samples)
+    assert uniform["loss"] == pytest.approx(math.log(vocab), rel=1e-5)
+    assert uniform["exact_match"] == 0.0
+    oracle = q.evaluate(Fixed(), samples)
+    assert oracle["exact_match"] == 1.0 and oracle["loss"] < 1e-6
+    assert q.evaluate(Fixed(spoil_every_other=True), samples)["exact_match"] == 0.5
