@@ -24,15 +24,7 @@ from squash.training.mask_update import record_dense_grads
 log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = {
-    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle",
-    "batch_size", "collate_fn", "optimizer", "lr_scheduler", "loss", "epochs",
-    "max_steps_per_epoch", "gradient_accumulation_steps", "clip_grad_norm", "compile", "device",
-    "dtype", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
-    "log_every_n_steps", "log_peak_memory_stats", "profiler", "resume_from_checkpoint",
-    "save_adapter_weights_only", "save_every_n_steps", "keep_last_n", "mask_update",
-    "low_cpu_ram", "cudnn_deterministic_mode",
-}  # fmt: skip
+CONFIG_KEYS = rcp.TRAINING_KEYS
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):

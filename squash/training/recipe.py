@@ -28,6 +28,16 @@ from squash.training.mask_update import cosine_drop_fraction, update_masks
 
 log = utils.get_logger("INFO")
 
+# Every top-level key of squash_finetune: torchtune's LoRA recipe keys plus squash's own.
+TRAINING_KEYS = frozenset({
+    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle",
+    "batch_size", "collate_fn", "optimizer", "lr_scheduler", "loss", "epochs",
+    "max_steps_per_epoch", "gradient_accumulation_steps", "clip_grad_norm", "compile", "device",
+    "dtype", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
+    "log_every_n_steps", "log_peak_memory_stats", "profiler", "resume_from_checkpoint",
+    "save_adapter_weights_only", "save_every_n_steps", "keep_last_n", "mask_update",
+    "low_cpu_ram", "cudnn_deterministic_mode",
+})  # fmt: skip
 MASK_UPDATE_KEYS = {"every_n_steps", "drop_fraction", "until_step"}
 # Counters a recipe state must hold for resume.
 COUNTER_KEYS = ("epochs_run", "global_step", "steps_in_epoch", "seed", "max_steps_per_epoch")
@@ -63,13 +73,49 @@ def mask_update_due(mask_update: Optional[Dict[str, Any]], step: int) -> bool:
 
 
 def apply_mask_update(
-    model: nn.Module, optimizer: torch.optim.Optimizer, mask_update: Dict[str, Any], step: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mask_update: Dict[str, Any],
+    step: int,
+    *,
+    skip_untrained: bool = False,
 ) -> Dict[str, float]:
     """Prune and regrow every sparse factor after step ``step`` (cosine-decayed drop fraction);
-    returns the metric to log (mean slots replaced per row)."""
+    returns the metrics to log (mean slots replaced per row, adapters skipped).
+
+    Args:
+        model (nn.Module): the adapted model, dense gradients recorded during the last step.
+        optimizer (torch.optim.Optimizer): its moments of regrown slots are reset.
+        mask_update (Dict[str, Any]): the parsed ``mask_update`` block.
+        step (int): the global step just taken.
+        skip_untrained (bool): leave alone the masks of adapters that got no gradient (a loss
+            that does not reach them, e.g. SquareHead on early layers only) instead of raising.
+            Default False.
+
+    Raises:
+        ValueError: a sparse factor without a recorded dense gradient, unless ``skip_untrained``.
+    """
     drop = cosine_drop_fraction(step, mask_update["drop_fraction"], mask_update["until_step"])
-    replaced = update_masks(model, optimizer, drop)
-    return {"mask_update/replaced_per_row": sum(replaced.values()) / max(len(replaced), 1)}
+    skipped = 0
+    if not skip_untrained:
+        replaced = update_masks(model, optimizer, drop)
+    else:
+        replaced = {}
+        for name, adapter in ckpt.adapter_modules(model).items():
+            sparse = [m for m in adapter.modules() if isinstance(m, FFILinear)]
+            if not sparse:
+                continue
+            if any(m.dense_grad is None for m in sparse):
+                for m in sparse:
+                    m.record_dense_grad(False)
+                skipped += 1
+                continue
+            for sub, n in update_masks(adapter, optimizer, drop).items():
+                replaced[f"{name}.{sub}"] = n
+    logs = {"mask_update/replaced_per_row": sum(replaced.values()) / max(len(replaced), 1)}
+    if skip_untrained:
+        logs["mask_update/adapters_skipped"] = float(skipped)
+    return logs
 
 
 # ---- model ----------------------------------------------------------------------------------------
@@ -159,8 +205,12 @@ def setup_frozen_model(
     dtype: torch.dtype,
     where: str = "model",
 ) -> nn.Module:
-    """Build ``cfg_model``, load ``state_dict`` strictly, freeze it and put it in eval mode (a
+    """Build ``cfg_model``, load ``state_dict``, freeze the model and put it in eval mode (a
     distillation teacher, or a model to evaluate).
+
+    Every key must load, except adapter keys (``.lora_``) of a model with adapters, which keep
+    their initialisation (``lora_b`` is zero, so the adapters add nothing until an adapter is
+    loaded into them).
 
     Raises:
         ValueError: naming ``where`` if the weights do not fit the model.
@@ -168,6 +218,7 @@ def setup_frozen_model(
     with training.set_default_dtype(dtype), device:
         model = config.instantiate(cfg_model)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if ".lora_" not in k]
     if missing or unexpected:
         raise ValueError(
             f"The checkpoint of {where} does not fit {cfg_model._component_}: missing "
