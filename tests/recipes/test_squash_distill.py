@@ -82,8 +82,15 @@ def teacher(tmp_path_factory):
 
 
 def _eval(tmp_path, name, *overrides):
+    """``tune run squash_eval --config configs/opt_tiny_eval.yaml ...``; its results."""
+    import subprocess
+
+    from tests.recipes.conftest import TUNE
+
     out = tmp_path / f"eval_{name}"
-    tune_run(out, *overrides, recipe="squash_eval", config=EVAL)
+    cmd = [TUNE, "run", "squash_eval", "--config", str(EVAL), f"output_dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads((out / "eval_results.json").read_text())
 
 
