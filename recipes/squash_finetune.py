@@ -5,48 +5,25 @@ copy it (``squash cp squash_finetune my_recipe.py``) and run the copy as
 ``tune run my_recipe --config ...`` from its directory.
 """
 
-import resource
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
-from omegaconf import DictConfig, ListConfig
-from torch import nn
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
+from omegaconf import DictConfig
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.modules import FFILinear, svd_initialize
 from squash.training import checkpoint as ckpt
-from squash.training.adapter_init import initial_adapter_state_dict
-from squash.training.mask_update import (
-    cosine_drop_fraction,
-    record_dense_grads,
-    record_grow_candidates,
-    update_masks,
-)
-from squash.training.config_checks import (
-    FINETUNE_CONFIG_KEYS,
-    ConfigKeyError,
-    check_component,
-    check_keys,
-    get_int,
-    parse_mask_update,
-    to_plain,
-)
+from squash.training import recipe as rcp
+from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
 
 log = utils.get_logger("INFO")
 
-CONFIG_KEYS = FINETUNE_CONFIG_KEYS  # torchtune's LoRA recipe keys plus squash's own
+# Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
+CONFIG_KEYS = rcp.TRAINING_KEYS
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -59,9 +36,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
           adapters from the singular vectors of the loaded base weights.
         - ``mask_update`` (``every_n_steps``, ``drop_fraction``, ``until_step``): prune and regrow
           each sparse row at constant fan-in, the drop fraction decayed by a cosine to 0 at
-          ``until_step``; growth follows the dense gradient of the step before an update
-          (with one micro-batch reduced to growth candidates during its backward, never held
-          whole; with gradient accumulation accumulated as a dense matrix per sparse factor).
+          ``until_step``; dense gradients are recorded only during the step before an update.
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``compile`` (per decoder layer), fp32/bf16, chunked cross-entropy, lr schedules,
           torchtune's metric loggers, ``log_every_n_steps``, peak memory (max RSS on the CPU), a
@@ -118,7 +93,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "enable_activation_offloading needs a CUDA/ROCm device and "
                 "enable_activation_checkpointing: True"
             )
-        self._mask_update = parse_mask_update(cfg.get("mask_update", None))
+        self._mask_update = rcp.parse_mask_update(cfg.get("mask_update", None))
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch = 0  # optimizer steps done in the current epoch (for resume)
@@ -138,20 +113,25 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         ckpt.clean_stale_temporaries(self._output_dir)
         recipe_state, resume_dir = None, None
         if self._resume:
-            resume_dir = ckpt.latest_checkpoint(self._output_dir)
-            if resume_dir is None:
-                raise FileNotFoundError(
-                    f"resume_from_checkpoint is True but {self._output_dir} holds no complete "
-                    "epoch_N or step_N checkpoint"
-                )
-            recipe_state = ckpt.load_recipe_state(resume_dir)
+            resume_dir, recipe_state = rcp.find_resume_state(self._output_dir)
             self._restore_counters(recipe_state)
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
 
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model_cfg = cfg.model
-        self._model = self._setup_model(cfg.model, base_state_dict, cfg.get("compile", False))
+        self._model = rcp.setup_adapter_model(
+            cfg.model,
+            base_state_dict,
+            device=self._device,
+            dtype=self._dtype,
+            mask_update=self._mask_update,
+            activation_checkpointing=self._act_ckpt,
+            compile_model=cfg.get("compile", False),
+            seed=self.seed,
+        )
+        self._svd_init = rcp.svd_init_factors(cfg.model, self._model)
+        self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         if resume_dir is not None:
             ckpt.load_adapter_into(self._model, ckpt.load_squash_adapter(resume_dir), resume_dir)
         del base_state_dict
@@ -166,8 +146,14 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = self._setup_data(
-            cfg.dataset, cfg.get("shuffle", True), cfg.get("collate_fn", None)
+        self._dataloader = rcp.setup_dataloader(
+            cfg.dataset,
+            self._tokenizer,
+            batch_size=self._batch_size,
+            shuffle=cfg.get("shuffle", True),
+            seed=self.seed,
+            collate_fn=cfg.get("collate_fn", None),
+            ignore_index=self._loss_fn.ignore_index,
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])
@@ -190,7 +176,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
             if recipe_state is not None:
                 self._lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
-        self._profiler = self._setup_profiler(cfg.get("profiler", None))
+        self._profiler = rcp.setup_profiler(cfg.get("profiler", None))
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
@@ -198,168 +184,44 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
-        for key in ("epochs_run", "global_step", "steps_in_epoch", "seed", "max_steps_per_epoch"):
-            if key not in state:
-                raise ValueError(f"The recipe state to resume from lacks {key!r}")
-        if state["max_steps_per_epoch"] != self.max_steps_per_epoch:
-            log.warning(
-                f"max_steps_per_epoch is {self.max_steps_per_epoch} in the config but "
-                f"{state['max_steps_per_epoch']} in the checkpoint; using the checkpoint's"
-            )
-            self.max_steps_per_epoch = state["max_steps_per_epoch"]
+        self.max_steps_per_epoch = rcp.resumed_max_steps(state, self.max_steps_per_epoch)
         self.epochs_run = state["epochs_run"]
         self.global_step = state["global_step"]
         self._steps_in_epoch = state["steps_in_epoch"]
         self.seed = state["seed"]
 
-    def _setup_model(self, cfg_model: DictConfig, base_state_dict, compile_model: bool) -> nn.Module:
-        svd = cfg_model.get("init", "lora") == "svd"
-        self._svd_init: Optional[Dict[str, torch.Tensor]] = None
-        overrides = {"init": "lora"} if "init" in cfg_model else {}
-        with training.set_default_dtype(self._dtype), self._device:
-            model = config.instantiate(cfg_model, **overrides)
-        adapters = ckpt.adapter_modules(model)
-        if not adapters:
-            raise ConfigKeyError(
-                f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "
-                "squash_* builder"
-            )
-        self._has_sparse = any(isinstance(m, FFILinear) for m in model.modules())
-        if self._mask_update is not None and not self._has_sparse:
-            raise ConfigKeyError(
-                f"mask_update is set but model {cfg_model._component_} has no sparse (FFI) "
-                "factor; use a squash_* builder or remove mask_update"
-            )
-        set_trainable_params(model, get_adapter_params(model))
-
-        missing, unexpected = model.load_state_dict(base_state_dict, strict=False)
-        not_adapter = [k for k in missing if ".lora_" not in k]
-        if not_adapter or unexpected:
-            raise ValueError(
-                f"The base checkpoint does not fit model {cfg_model._component_}: missing "
-                f"{not_adapter[:5]}, unexpected {list(unexpected)[:5]}"
-            )
-        # Every adapter drawn from a generator of its own (seed, module name): the same adapter
-        # as the distributed recipe's, whatever the device or world size.
-        ckpt.load_adapter_into(
-            model, initial_adapter_state_dict(model, self.seed), "the initial adapter"
-        )
-        if svd:
-            done = svd_initialize(model, base_state_dict)
-            if not done:
-                raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
-            # the PEFT export is relative to the original weights: keep where the adapter began
-            self._svd_init = ckpt.dense_adapter_state_dict(model)
-            log.info(f"SVD-initialised {len(done)} adapters from the loaded base weights")
-        training.validate_expected_param_dtype(get_adapter_params(model).items(), self._dtype)
-        if self._act_ckpt:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        if compile_model:
-            training.compile_model(model)
-        self._act_ctx = training.get_act_offloading_ctx_manager(model, self._act_offload)
-        first = next(iter(adapters.values()))
-        self._lora_rank, self._lora_alpha = first.rank, first.alpha
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info(
-            f"Model {cfg_model._component_}: {len(adapters)} adapters, {n_train:,} trainable "
-            f"parameters, {self._dtype}, on {self._device}"
-        )
-        return model
-
-    def _setup_data(self, cfg_dataset, shuffle: bool, collate_name: Optional[str]):
-        try:
-            if isinstance(cfg_dataset, ListConfig):
-                ds = ConcatDataset([config.instantiate(c, self._tokenizer) for c in cfg_dataset])
-                packed = getattr(ds, "packed", False)
-            else:
-                ds = config.instantiate(cfg_dataset, self._tokenizer)
-                packed = cfg_dataset.get("packed", False)
-            ds[0]  # a missing column shows here, not deep inside the first step
-        except KeyError as e:
-            columns = _dataset_columns(cfg_dataset)
-            raise ConfigKeyError(
-                f"dataset: the data has no column {e}; its columns are {columns}. "
-                "Map yours with dataset.column_map (e.g. column_map: {input: my_input})"
-            ) from e
-        collate = _get_component_from_path(collate_name or "torchtune.data.padded_collate_sft")
-        if not packed:
-            collate = partial(
-                collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
-            )
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=1, rank=0, shuffle=shuffle, seed=self.seed
-        )
-        return StatefulDataLoader(
-            dataset=ds,
-            batch_size=self._batch_size,
-            sampler=sampler,
-            collate_fn=collate if not packed else padded_collate_packed,
-            drop_last=True,
-        )
-
-    def _setup_profiler(self, cfg_profiler: Optional[DictConfig]):
-        if cfg_profiler is None or not cfg_profiler.get("enabled", False):
-            return training.DummyProfiler()
-        if cfg_profiler.get("_component_") is None:
-            cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
-        profiler, _ = config.instantiate(cfg_profiler)
-        return profiler
-
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
         """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
         name = name or f"epoch_{epoch}"
-        at_epoch_end = name.startswith("epoch_")
-        model = self._model
-        state: Dict[str, Any] = {
-            training.ADAPTER_KEY: ckpt.dense_adapter_state_dict(model),
-            training.ADAPTER_CONFIG: self._peft_config(),
-        }
-        if self._svd_init is not None:  # rank 2r: B A - B0 A0 on the original weights
-            state[training.ADAPTER_KEY] = ckpt.peft_delta_adapter(
-                state[training.ADAPTER_KEY], self._svd_init
-            )
-            peft = state[training.ADAPTER_CONFIG]
-            peft.update(r=2 * peft["r"], lora_alpha=2 * peft["lora_alpha"])
-        if not self._adapter_only:
-            state[training.MODEL_KEY] = ckpt.merged_state_dict(model, self._dtype)
-        recipe_state = {
-            "epochs_run": self.epochs_run,
-            "global_step": self.global_step,
-            "steps_in_epoch": 0 if at_epoch_end else self._steps_in_epoch,
-            "seed": self.seed,
-            "total_epochs": self.total_epochs,
-            "max_steps_per_epoch": self.max_steps_per_epoch,
-            "optimizer": self._optimizer.state_dict(),
-            "lr_scheduler": self._lr_scheduler.state_dict() if self._lr_scheduler else None,
-            "dataloader": None if at_epoch_end else self._dataloader.state_dict(),
-            "rng": ckpt.rng_state(self._device),
-        }
-        path = ckpt.write_checkpoint(
+        path = rcp.save_training_checkpoint(
             self._output_dir,
             name,
+            model=self._model,
+            cfg_model=self._model_cfg,
             checkpointer=self._checkpointer,
-            squash_adapter=ckpt.squash_adapter_state_dict(model),
-            squash_adapter_config={"model": to_plain(self._model_cfg), **self._peft_config()},
-            checkpointer_state=state,
-            recipe_state=recipe_state,
-            meta={"epoch": epoch, "global_step": self.global_step},
+            dtype=self._dtype,
             adapter_only=self._adapter_only,
+            counters={
+                "epochs_run": self.epochs_run,
+                "global_step": self.global_step,
+                "steps_in_epoch": self._steps_in_epoch,
+                "seed": self.seed,
+                "total_epochs": self.total_epochs,
+                "max_steps_per_epoch": self.max_steps_per_epoch,
+            },
+            optimizer=self._optimizer,
+            lr_scheduler=self._lr_scheduler,
+            dataloader=self._dataloader,
+            device=self._device,
+            epoch=epoch,
+            svd_init=self._svd_init,
         )
         self._last_checkpoint = path
         log.info(f"Saved checkpoint {path}")
         return path
 
-    def _peft_config(self) -> Dict[str, Any]:
-        return ckpt.peft_config(self._model_cfg, self._lora_rank, self._lora_alpha)
-
     # ---- training -------------------------------------------------------------------------------
-    def _mask_update_due(self, step: int) -> bool:
-        mu = self._mask_update
-        return mu is not None and step % mu["every_n_steps"] == 0 and step < mu["until_step"]
-
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch.pop("labels")  # (b, s)
         with self._act_ctx:
@@ -392,16 +254,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1
-                    if micro == 0 and self._mask_update_due(step):
-                        # The update grows where this step's dense gradient is largest. One
-                        # micro-batch: reduce it to growth candidates during the backward, never
-                        # holding it; several: accumulate it (out x in per sparse factor).
-                        if self._grad_accum == 1:
-                            mu = self._mask_update
-                            drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
-                            record_grow_candidates(self._model, drop)
-                        else:
-                            record_dense_grads(self._model, True)
+                    if micro == 0 and rcp.mask_update_due(self._mask_update, step):
+                        rcp.start_mask_recording(
+                            self._model, self._mask_update, step, self._grad_accum
+                        )
                     utils.batch_to_device(batch, self._device)
                     tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
                     loss = self._loss_step(batch) * tokens
@@ -420,26 +276,19 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if micro < self._grad_accum:
                         continue
 
-                    training.scale_grads(self._model, torch.tensor(1.0 / max(num_tokens, 1)))
-                    grad_norm = None
-                    if self._clip_grad_norm is not None:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(
-                            self._model.parameters(), max_norm=float(self._clip_grad_norm)
-                        )
-                    lr = self._optimizer.param_groups[0]["lr"]  # the lr this step used
-                    self._optimizer.step()
-                    self._optimizer.zero_grad(set_to_none=True)
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
+                    lr, grad_norm = rcp.optimizer_step(
+                        self._model,
+                        self._optimizer,
+                        self._lr_scheduler,
+                        num_tokens=num_tokens,
+                        clip_grad_norm=self._clip_grad_norm,
+                    )
                     self.global_step = step
                     self._steps_in_epoch += 1
                     logs = {}
-                    if self._mask_update_due(step):
-                        mu = self._mask_update
-                        drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
-                        replaced = update_masks(self._model, self._optimizer, drop)
-                        logs["mask_update/replaced_per_row"] = sum(replaced.values()) / max(
-                            len(replaced), 1
+                    if rcp.mask_update_due(self._mask_update, step):
+                        logs.update(
+                            rcp.apply_mask_update(self._model, self._optimizer, self._mask_update, step)
                         )
 
                     loss_value = float(running_loss) / max(num_tokens, 1)
@@ -454,9 +303,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                             loss=loss_value, lr=lr, tokens_per_second_per_gpu=num_tokens / elapsed
                         )
                         if grad_norm is not None:
-                            logs["grad_norm"] = float(grad_norm)
+                            logs["grad_norm"] = grad_norm
                         if self._log_peak_memory_stats:
-                            logs.update(self._memory_stats())
+                            logs.update(rcp.memory_stats(self._device))
                         self._metric_logger.log_dict(logs, step=step)
                     running_loss, num_tokens, micro = 0.0, 0, 0
                     if self._save_every_n_steps and step % self._save_every_n_steps == 0:
@@ -469,28 +318,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 micro, running_loss, num_tokens = 0, 0.0, 0
                 self.save_checkpoint(curr_epoch)
 
-    def _memory_stats(self) -> Dict[str, float]:
-        if self._device.type == "cuda":
-            return training.get_memory_stats(device=self._device)
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        return {"peak_memory_rss_gib": peak_kib / 1024**2}
-
     def cleanup(self) -> None:
         """Close the metric logger."""
         if getattr(self, "_metric_logger", None) is not None:
             self._metric_logger.close()
-
-
-def _dataset_columns(cfg_dataset) -> Any:
-    """Column names of a dataset config's data, for an error message (best effort)."""
-    try:
-        from datasets import load_dataset
-
-        node = cfg_dataset[0] if isinstance(cfg_dataset, ListConfig) else cfg_dataset
-        kwargs = {k: v for k, v in node.items() if k in ("data_files", "name", "split")}
-        return load_dataset(node.source, **kwargs).column_names
-    except Exception:  # the message is still useful without them
-        return "unknown"
 
 
 @config.parse

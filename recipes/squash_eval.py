@@ -1,0 +1,191 @@
+"""squash_eval: held-out loss and perplexity of a model plus adapter, with tokens/s.
+
+Run it as ``tune run squash_eval --config configs/opt_tiny_eval.yaml`` (installed with squash).
+Two ways to name what is evaluated:
+
+- a squash adapter: ``model`` is the squash (or LoRA/QLoRA) builder it was trained with,
+  ``checkpointer`` loads the base weights, ``adapter_dir`` is a checkpoint directory of
+  ``squash_finetune``/``squash_distill`` (``output_dir/epoch_N`` or ``step_N``);
+- merged weights: ``model`` is the plain builder (``squash.models.opt.opt_350m``),
+  ``checkpointer`` loads the merged HF weights of such a checkpoint directory, ``adapter_dir``
+  is null. A model with adapters and no ``adapter_dir`` is its base alone (the adapters start
+  at zero), e.g. the NF4 model before training.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torchtune import config, training, utils
+from torchtune.recipe_interfaces import EvalRecipeInterface
+
+from squash.training import checkpoint as ckpt
+from squash.training import recipe as rcp
+from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
+
+log = utils.get_logger("INFO")
+
+CONFIG_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "adapter_dir", "dataset", "batch_size",
+    "collate_fn", "max_batches", "device", "dtype", "seed", "compile", "metric_logger",
+    "ignore_index",
+}  # fmt: skip
+RESULTS_FILE = "eval_results.json"
+
+
+class SquashEvalRecipe(EvalRecipeInterface):
+    """Next-token cross-entropy of a model over a dataset, as ``squash_finetune`` computes its
+    training loss: the label of position ``t`` is the token at ``t + 1``, labels equal to
+    ``ignore_index`` (padding, and the prompt unless the dataset has ``train_on_input``) do not
+    count, and the loss is the mean over all counted tokens of the dataset (not a mean of batch
+    means). Perplexity is ``exp(loss)``.
+
+    Writes ``output_dir/eval_results.json`` (``loss``, ``perplexity``, ``tokens`` counted,
+    ``input_tokens`` (not padding), ``seconds``, ``tokens_per_second`` (input tokens through the
+    model per second of forward passes), ``batches``) and logs the same through ``metric_logger``
+    when one is set.
+
+    Args:
+        cfg (DictConfig): the parsed config.
+
+    Raises:
+        ConfigKeyError: an unknown or misspelled key, a missing one, a bad value, a component that
+            does not accept a key, an ``adapter_dir`` for a model without adapters.
+        FileNotFoundError: an ``adapter_dir`` without a squash adapter.
+        ValueError: weights or an adapter that do not fit ``model``; a dataset with no token
+            that counts.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        check_keys(cfg, CONFIG_KEYS)
+        for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size"):
+            if cfg.get(key) is None:
+                raise ConfigKeyError(f"Missing config key: {key}")
+        self._device = utils.get_device(device=cfg.get("device", None))
+        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        self._output_dir = Path(cfg.output_dir)
+        self._batch_size = get_int(cfg, "batch_size", None, minimum=1)
+        self._max_batches = get_int(cfg, "max_batches", None, minimum=1)
+        self._ignore_index = cfg.get("ignore_index", -100)
+        self.seed = training.set_seed(seed=cfg.get("seed", None))
+
+    def setup(self, cfg: DictConfig) -> None:
+        """Build the model (and load the adapter), the tokenizer and the data."""
+        for key, positional in (("model", 0), ("tokenizer", 0), ("checkpointer", 0),
+                                ("dataset", 1), ("metric_logger", 0)):  # fmt: skip
+            if cfg.get(key) is not None:
+                check_component(cfg[key], key, positional=positional)
+        self._metric_logger = None
+        if cfg.get("metric_logger") is not None:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+        checkpointer = config.instantiate(cfg.checkpointer)
+        self._model = rcp.setup_frozen_model(
+            cfg.model,
+            checkpointer.load_checkpoint()[training.MODEL_KEY],
+            device=self._device,
+            dtype=self._dtype,
+            where="model (checkpointer)",
+        )
+        adapter_dir = cfg.get("adapter_dir", None)
+        if adapter_dir is not None:
+            if not ckpt.adapter_modules(self._model):
+                raise ConfigKeyError(
+                    f"adapter_dir is set but model {cfg.model._component_} has no adapters; use "
+                    "the squash_*/lora_* builder the adapter was trained with"
+                )
+            adapter_dir = Path(adapter_dir)
+            ckpt.load_adapter_into(self._model, ckpt.load_squash_adapter(adapter_dir), adapter_dir)
+            log.info(f"Loaded the adapter of {adapter_dir}")
+        if cfg.get("compile", False):
+            training.compile_model(self._model)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._dataloader = rcp.setup_dataloader(
+            cfg.dataset,
+            self._tokenizer,
+            batch_size=self._batch_size,
+            shuffle=False,
+            seed=self.seed,
+            collate_fn=cfg.get("collate_fn", None),
+            ignore_index=self._ignore_index,
+            drop_last=False,
+        )
+
+    @torch.inference_mode()
+    def evaluate(self) -> Dict[str, float]:
+        """Run the model over the data; returns (and writes) the results."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        counted, input_tokens, batches, seconds = 0, 0, 0, 0.0
+        for batch in self._dataloader:
+            if self._max_batches is not None and batches >= self._max_batches:
+                break
+            utils.batch_to_device(batch, self._device)
+            labels = batch.pop("labels")  # (b, s)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            t0 = time.perf_counter()
+            logits = self._model(**batch)  # (b, s, v)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            seconds += time.perf_counter() - t0
+            labels = labels[:, 1:]  # predict token t+1 at position t
+            logits = logits[:, :-1].float()
+            loss_sum += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
+                ignore_index=self._ignore_index,
+                reduction="sum",
+            ).double().cpu()
+            counted += int((labels != self._ignore_index).sum())
+            input_tokens += int((batch["tokens"] != self._tokenizer.pad_id).sum())
+            batches += 1
+        if counted == 0:
+            raise ValueError("dataset: no token counts (every label is ignore_index)")
+        loss = float(loss_sum / counted)
+        results = {
+            "loss": loss,
+            "perplexity": math.exp(loss),
+            "tokens": counted,
+            "input_tokens": input_tokens,
+            "batches": batches,
+            "seconds": seconds,
+            "tokens_per_second": input_tokens / seconds if seconds > 0 else float("nan"),
+        }
+        log.info(
+            f"Held-out loss {loss:.6f}, perplexity {results['perplexity']:.4f} over {counted} "
+            f"tokens ({batches} batches); {results['tokens_per_second']:.0f} tokens/s"
+        )
+        self._output_dir.mkdir(parents=True, exist_ok=True)
+        (self._output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+        if self._metric_logger is not None:
+            self._metric_logger.log_dict(
+                {f"eval/{k}": float(v) for k, v in results.items()}, step=0
+            )
+        return results
+
+    def cleanup(self) -> None:
+        """Close the metric logger."""
+        if getattr(self, "_metric_logger", None) is not None:
+            self._metric_logger.close()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run squash_eval --config CONFIG [key=value ...]``."""
+    config.log_config(recipe_name="SquashEvalRecipe", cfg=cfg)
+    recipe = SquashEvalRecipe(cfg=cfg)
+    try:
+        recipe.setup(cfg=cfg)
+        recipe.evaluate()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
