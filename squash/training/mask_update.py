@@ -259,7 +259,9 @@ def update_masks(
         if not isinstance(module, FFILinear):
             continue
         grad = candidates = None
-        if not random_growth:
+        if _entries_replaced(drop_fraction, module.fan_in, module.in_features) == 0:
+            replaced[name] = 0  # nothing moves in this factor: it needs no gradient
+        elif not random_growth:
             grad = (dense_grads or {}).get(name, module.dense_grad)
             candidates = module.grow_candidates if grad is None else None
             if grad is None and candidates is None:
@@ -268,16 +270,17 @@ def update_masks(
                     "or record_dense_grads(model) before the forward/backward that precedes the "
                     "mask update, or pass dense_grads"
                 )
-        replaced[name] = prune_and_regrow(
-            module.values,
-            module.indices,
-            grad,
-            drop_fraction,
-            in_features=module.in_features,
-            grow_candidates=candidates,
-            optimizer=optimizer,
-            generator=generator,
-        )
+        if name not in replaced:
+            replaced[name] = prune_and_regrow(
+                module.values,
+                module.indices,
+                grad,
+                drop_fraction,
+                in_features=module.in_features,
+                grow_candidates=candidates,
+                optimizer=optimizer,
+                generator=generator,
+            )
         module.record_dense_grad(False)
         module.record_grow_candidates(0)
     return replaced

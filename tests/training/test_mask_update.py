@@ -309,3 +309,20 @@ def test_grow_candidates_are_checked():
     with pytest.raises(ValueError, match=r"must be \(out=2, >= 1\)"):
         prune_and_regrow(module.values, module.indices, None, 0.34, in_features=10,
                          grow_candidates=torch.zeros(2, 0, dtype=torch.long))
+
+
+def test_a_factor_where_nothing_moves_needs_no_gradient():
+    """round(drop * k) = 0 for a narrow factor late in the cosine decay: that factor is left as
+    it is, while a wider one with recorded candidates is updated."""
+    from squash.modules import FFILinear
+    from squash.training import record_grow_candidates, update_masks
+
+    narrow, wide = FFILinear(30, 4, fan_in=3), FFILinear(300, 4, fan_in=30)
+    model = torch.nn.ModuleDict({"narrow": narrow, "wide": wide})
+    before = narrow.indices.clone()
+    assert record_grow_candidates(model, 0.1) == {"narrow": 0, "wide": 3}
+    x = torch.randn(5, 30)
+    (narrow(x).sum() + wide(torch.randn(5, 300)).sum()).backward()
+    assert narrow.grow_candidates is None  # nothing to record
+    assert update_masks(model, None, 0.1) == {"narrow": 0, "wide": 3}
+    assert torch.equal(narrow.indices, before)
