@@ -53,3 +53,39 @@ def test_packed_text_completion_data_first_step_equals_a_hand_computation(run, t
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                ignore_index=-100).item()
     assert losses[1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_local_jsonl_chat_data_first_step_equals_a_hand_computation(run, tmp_path):
+    """torchtune's chat_dataset on a local JSONL file (ShareGPT style), loss on the replies."""
+    import json
+
+    from torchtune.data import padded_collate_sft
+    from torchtune.datasets import chat_dataset
+
+    from squash.models.opt import OPTCheckpointer, opt_tokenizer, qlora_opt_tiny
+
+    records = json.loads((TINY / "alpaca_tiny.json").read_text())[:16]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"{r['instruction']} {r['input']}"},
+        {"from": "gpt", "value": r["output"]},
+    ]}) for r in records) + "\n")
+    dataset = ["dataset._component_=torchtune.datasets.chat_dataset", "dataset.source=json",
+               f"dataset.data_files={data}", "dataset.conversation_column=conversations",
+               "dataset.conversation_style=sharegpt", "~dataset.packed", "shuffle=False"]
+    run(tmp_path / "out", "epochs=1", "max_steps_per_epoch=1", *dataset)
+    losses = logged(tmp_path / "out")
+
+    tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"), max_seq_len=128)
+    ds = chat_dataset(tok, source="json", data_files=str(data), split="train",
+                      conversation_column="conversations", conversation_style="sharegpt")
+    batch = padded_collate_sft([ds[i] for i in range(4)], padding_idx=tok.pad_id)
+    assert (batch["labels"] != -100).sum() < (batch["tokens"] != tok.pad_id).sum() / 2
+    model = qlora_opt_tiny(["q_proj", "k_proj", "v_proj", "output_proj"], True, lora_rank=8)
+    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "hand"))
+    model.load_state_dict(base.load_checkpoint()["model"], strict=False)
+    with torch.no_grad():
+        logits = model(batch["tokens"])
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                               batch["labels"][:, 1:].reshape(-1), ignore_index=-100).item()
+    assert losses[1] == pytest.approx(expected, rel=1e-5)
