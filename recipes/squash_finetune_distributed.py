@@ -25,14 +25,14 @@ from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.modules import FFILinear, get_adapter_buffers
+from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
 from squash.training import distributed as sq_dist
+from squash.training import recipe as rcp
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
@@ -246,23 +246,11 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
     ) -> nn.Module:
         cfg_model = cfg.model
         svd = cfg_model.get("init", "lora") == "svd"
-        overrides = {"init": "lora"} if "init" in cfg_model else {}
         t0 = time.perf_counter()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg_model, **overrides)
+        model = rcp.build_adapter_model(
+            cfg_model, device="meta", dtype=self._dtype, mask_update=self._mask_update
+        )
         adapters = ckpt.adapter_modules(model)
-        if not adapters:
-            raise ConfigKeyError(
-                f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "
-                "squash_* builder"
-            )
-        self._has_sparse = any(isinstance(m, FFILinear) for m in model.modules())
-        if self._mask_update is not None and not self._has_sparse:
-            raise ConfigKeyError(
-                f"mask_update is set but model {cfg_model._component_} has no sparse (FFI) "
-                "factor; use a squash_* builder or remove mask_update"
-            )
-        set_trainable_params(model, get_adapter_params(model))
         if cfg.get("compile", False):
             training.compile_model(model, verbose=self._is_rank_zero)
         if self._act_ckpt:

@@ -118,6 +118,37 @@ def apply_mask_update(
 
 
 # ---- model ----------------------------------------------------------------------------------------
+def build_adapter_model(
+    cfg_model: DictConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    mask_update: Optional[Dict[str, Any]] = None,
+) -> nn.Module:
+    """Build the model of ``cfg_model`` on ``device`` (``"meta"`` too) with the LoRA init (an
+    ``init: svd`` is applied once the base weights are loaded) and only its adapters trainable.
+
+    Raises:
+        ConfigKeyError: a model without adapters, or ``mask_update`` without a sparse factor.
+    """
+    overrides = {"init": "lora"} if "init" in cfg_model else {}
+    with training.set_default_dtype(dtype), torch.device(device):
+        model = config.instantiate(cfg_model, **overrides)
+    if not ckpt.adapter_modules(model):
+        raise ConfigKeyError(
+            f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "
+            "squash_* builder"
+        )
+    has_sparse = any(isinstance(m, FFILinear) for m in model.modules())
+    if mask_update is not None and not has_sparse:
+        raise ConfigKeyError(
+            f"mask_update is set but model {cfg_model._component_} has no sparse (FFI) "
+            "factor; use a squash_* builder or remove mask_update"
+        )
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
 def setup_adapter_model(
     cfg_model: DictConfig,
     base_state_dict: Dict[str, torch.Tensor],
@@ -154,22 +185,8 @@ def setup_adapter_model(
         ValueError: base weights that do not fit the model.
     """
     svd = cfg_model.get("init", "lora") == "svd"
-    overrides = {"init": "lora"} if "init" in cfg_model else {}
-    with training.set_default_dtype(dtype), device:
-        model = config.instantiate(cfg_model, **overrides)
+    model = build_adapter_model(cfg_model, device=device, dtype=dtype, mask_update=mask_update)
     adapters = ckpt.adapter_modules(model)
-    if not adapters:
-        raise ConfigKeyError(
-            f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "
-            "squash_* builder"
-        )
-    has_sparse = any(isinstance(m, FFILinear) for m in model.modules())
-    if mask_update is not None and not has_sparse:
-        raise ConfigKeyError(
-            f"mask_update is set but model {cfg_model._component_} has no sparse (FFI) "
-            "factor; use a squash_* builder or remove mask_update"
-        )
-    set_trainable_params(model, get_adapter_params(model))
 
     missing, unexpected = model.load_state_dict(base_state_dict, strict=False)
     not_adapter = [k for k in missing if ".lora_" not in k]
