@@ -5,4 +5,4 @@ Importing squash registers the ``torch.ops.squash`` custom ops; native kernels c
 
 from squash import ops, sparsity  # noqa: F401  (registers torch.ops.squash.*)
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
