@@ -2,6 +2,8 @@
 
     python benchmarks/distill.py            # the full run (README: "Distillation and evaluation")
     python benchmarks/distill.py --quick    # a smoke run of every stage (about a minute)
+    python benchmarks/distill.py --teacher-seed 1 --lrs 3e-3 --seeds 1 --out /tmp/d1.md
+                                            # another teacher, one rate, one student seed
 
 The teacher is ``scripts/distill_teacher.py``'s: the tiny OPT's architecture trained on a generated
 word-bigram corpus. The student is its NF4 copy with a rank-32 squash adapter, A 90% sparse
@@ -94,7 +96,7 @@ def table(res: dict) -> str:
     t, q = res["teacher"], res["nf4"]
     gap0 = q - t
     lines = [
-        f"Teacher {t:.3f}, its NF4 copy {q:.3f} (gap {gap0:.3f}); {res['steps']} steps of 8 "
+        f"Teacher (seed {res.get('teacher_seed', 0)}) {t:.3f}, its NF4 copy {q:.3f} (gap {gap0:.3f}); {res['steps']} steps of 8 "
         f"records; held-out perplexity, mean ± std over {res['seeds']} seeds; gap closed = "
         "1 - (student - teacher) / (NF4 - teacher).",
         "",
@@ -112,17 +114,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--teacher-seed", type=int, default=0, help="the teacher's torch seed")
+    parser.add_argument("--lrs", type=float, nargs="+", help="the grid (default: the full one)")
+    parser.add_argument("--seeds", type=int, help="student seeds a cell (default 3)")
     args = parser.parse_args(argv)
-    p = QUICK if args.quick else FULL
+    p = dict(QUICK if args.quick else FULL)
+    if args.lrs:
+        p.update(lrs=args.lrs, extras_lr=args.lrs[0])
+    if args.seeds:
+        p.update(seeds=args.seeds)
     out = args.out or ROOT / "benchmarks" / "results" / ("distill_quick.md" if args.quick
                                                          else "distill.md")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         teacher, work = Path(tmp) / "teacher", Path(tmp)
-        held, entropy = distill_teacher.train_teacher(teacher, steps=p["teacher_steps"])
+        held, entropy = distill_teacher.train_teacher(teacher, steps=p["teacher_steps"],
+                                                      seed=args.teacher_seed)
         res = dict(teacher=evaluate(teacher, work / "t", "model.quantize_base=False"),
                    nf4=evaluate(teacher, work / "q"), teacher_hand_loss=held,
-                   corpus_entropy=entropy, steps=p["steps"], seeds=p["seeds"], rows=[])
+                   corpus_entropy=entropy, teacher_seed=args.teacher_seed, steps=p["steps"],
+                   seeds=p["seeds"], rows=[])
         plan = [(a, lr) for lr in p["lrs"] for a in ("plain CE", "SquareHead + KL")]
         plan += [(a, p["extras_lr"]) for a in ("KL alone", "SquareHead alone", "CE + KL + SquareHead")]
         for arm, lr in plan:
