@@ -221,25 +221,19 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])
-        self._steps_per_epoch = len(self._dataloader) // self._grad_accum
-        if self._steps_per_epoch == 0:
-            raise ConfigKeyError(
-                f"dataset: {len(self._dataloader)} batches of batch_size={self._batch_size} "
-                f"make no optimizer step with gradient_accumulation_steps={self._grad_accum}"
-            )
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-
-        self._lr_scheduler = None
-        if cfg.get("lr_scheduler") is not None:
-            self._lr_scheduler = config.instantiate(
-                cfg.lr_scheduler,
-                self._optimizer,
-                num_training_steps=self.total_epochs * self._steps_per_epoch,
-                last_epoch=self.global_step - 1,  # sets the lr of the next step, as torchtune does
-            )
-            if recipe_state is not None:
-                self._lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
+        self._steps_per_epoch = rcp.steps_per_epoch(
+            len(self._dataloader),
+            batch_size=self._batch_size,
+            grad_accum=self._grad_accum,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        self._lr_scheduler = rcp.setup_lr_scheduler(
+            cfg.get("lr_scheduler", None),
+            self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            global_step=self.global_step,
+            state=recipe_state,
+        )
         self._profiler = rcp.setup_profiler(cfg.get("profiler", None))
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device

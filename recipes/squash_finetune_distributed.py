@@ -10,21 +10,15 @@ import os
 import resource
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch import nn
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
@@ -185,31 +179,34 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = self._setup_data(
-            cfg.dataset, cfg.get("shuffle", True), cfg.get("collate_fn", None)
+        self._dataloader = rcp.setup_dataloader(
+            cfg.dataset,
+            self._tokenizer,
+            batch_size=self._batch_size,
+            shuffle=cfg.get("shuffle", True),
+            seed=self.seed,
+            collate_fn=cfg.get("collate_fn", None),
+            ignore_index=self._loss_fn.ignore_index,
+            num_replicas=self.world_size,
+            rank=self.rank,
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"][self.rank])
-        self._steps_per_epoch = len(self._dataloader) // self._grad_accum
-        if self._steps_per_epoch == 0:
-            raise ConfigKeyError(
-                f"dataset: {len(self._dataloader)} batches of batch_size={self._batch_size} per "
-                f"rank make no optimizer step with gradient_accumulation_steps={self._grad_accum}"
-            )
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-
-        self._lr_scheduler = None
-        if cfg.get("lr_scheduler") is not None:
-            self._lr_scheduler = config.instantiate(
-                cfg.lr_scheduler,
-                self._optimizer,
-                num_training_steps=self.total_epochs * self._steps_per_epoch,
-                last_epoch=self.global_step - 1,
-            )
-            if recipe_state is not None:
-                self._lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
-        self._profiler = self._setup_profiler(cfg.get("profiler", None))
+        self._steps_per_epoch = rcp.steps_per_epoch(
+            len(self._dataloader),
+            batch_size=self._batch_size,
+            grad_accum=self._grad_accum,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+            per_rank=True,
+        )
+        self._lr_scheduler = rcp.setup_lr_scheduler(
+            cfg.get("lr_scheduler", None),
+            self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            global_step=self.global_step,
+            state=recipe_state,
+        )
+        self._profiler = rcp.setup_profiler(cfg.get("profiler", None))
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
@@ -320,46 +317,6 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         )
         dist.barrier()
         return model
-
-    def _setup_data(self, cfg_dataset, shuffle: bool, collate_name: Optional[str]):
-        try:
-            if isinstance(cfg_dataset, ListConfig):
-                ds = ConcatDataset([config.instantiate(c, self._tokenizer) for c in cfg_dataset])
-                packed = getattr(ds, "packed", False)
-            else:
-                ds = config.instantiate(cfg_dataset, self._tokenizer)
-                packed = cfg_dataset.get("packed", False)
-            ds[0]
-        except KeyError as e:
-            raise ConfigKeyError(
-                f"dataset: the data has no column {e}. Map yours with dataset.column_map "
-                "(e.g. column_map: {input: my_input})"
-            ) from e
-        collate = _get_component_from_path(collate_name or "torchtune.data.padded_collate_sft")
-        if not packed:
-            collate = partial(
-                collate, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
-            )
-        # rank r takes samples r, r + N, r + 2N, ... of the seeded permutation: N ranks with
-        # batch_size b see, step by step, the samples one device sees with batch_size N * b
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.seed
-        )
-        return StatefulDataLoader(
-            dataset=ds,
-            batch_size=self._batch_size,
-            sampler=sampler,
-            collate_fn=collate if not packed else padded_collate_packed,
-            drop_last=True,
-        )
-
-    def _setup_profiler(self, cfg_profiler: Optional[DictConfig]):
-        if cfg_profiler is None or not cfg_profiler.get("enabled", False):
-            return training.DummyProfiler()
-        if cfg_profiler.get("_component_") is None:
-            cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
-        profiler, _ = config.instantiate(cfg_profiler)
-        return profiler
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Optional[Path]:

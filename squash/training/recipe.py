@@ -19,7 +19,7 @@ from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
-from torchtune.modules.peft import get_adapter_params, get_lora_module_names, set_trainable_params
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from squash.modules import FFILinear, svd_initialize
 from squash.training import checkpoint as ckpt
@@ -118,6 +118,19 @@ def apply_mask_update(
 
 
 # ---- model ----------------------------------------------------------------------------------------
+def load_all_but_adapters(model: nn.Module, state_dict: Dict[str, torch.Tensor], what: str) -> None:
+    """Load ``state_dict`` into ``model``: every key must fit except adapter keys (``.lora_``),
+    which keep their values.
+
+    Raises:
+        ValueError: ``what``, then the first missing and unexpected keys.
+    """
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if ".lora_" not in k]
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+
+
 def build_adapter_model(
     cfg_model: DictConfig,
     *,
@@ -188,13 +201,9 @@ def setup_adapter_model(
     model = build_adapter_model(cfg_model, device=device, dtype=dtype, mask_update=mask_update)
     adapters = ckpt.adapter_modules(model)
 
-    missing, unexpected = model.load_state_dict(base_state_dict, strict=False)
-    not_adapter = [k for k in missing if ".lora_" not in k]
-    if not_adapter or unexpected:
-        raise ValueError(
-            f"The base checkpoint does not fit model {cfg_model._component_}: missing "
-            f"{not_adapter[:5]}, unexpected {list(unexpected)[:5]}"
-        )
+    load_all_but_adapters(
+        model, base_state_dict, f"The base checkpoint does not fit model {cfg_model._component_}"
+    )
     # Every adapter drawn from a generator of its own (seed, module name): the same adapter as
     # the distributed recipe's, whatever the device or world size.
     ckpt.load_adapter_into(model, initial_adapter_state_dict(model, seed), "the initial adapter")
@@ -238,13 +247,9 @@ def setup_frozen_model(
     """
     with training.set_default_dtype(dtype), device:
         model = config.instantiate(cfg_model)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = [k for k in missing if ".lora_" not in k]
-    if missing or unexpected:
-        raise ValueError(
-            f"The checkpoint of {where} does not fit {cfg_model._component_}: missing "
-            f"{list(missing)[:5]}, unexpected {list(unexpected)[:5]}"
-        )
+    load_all_but_adapters(
+        model, state_dict, f"The checkpoint of {where} does not fit {cfg_model._component_}"
+    )
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
@@ -275,8 +280,14 @@ def setup_dataloader(
     collate_fn: Optional[str] = None,
     ignore_index: int = -100,
     drop_last: bool = True,
+    num_replicas: int = 1,
+    rank: int = 0,
 ) -> StatefulDataLoader:
     """A stateful (resumable) data loader over ``cfg_dataset`` (one dataset block or a list).
+
+    With ``num_replicas`` N, rank r takes samples r, r + N, r + 2N, ... of the seeded
+    permutation: N ranks with ``batch_size`` b see, step by step, the samples one device sees
+    with batch size N * b.
 
     Raises:
         ConfigKeyError: if the data lacks a column the dataset needs, naming the columns it has.
@@ -298,7 +309,9 @@ def setup_dataloader(
     collate = _get_component_from_path(collate_fn or "torchtune.data.padded_collate_sft")
     if not packed:
         collate = partial(collate, padding_idx=tokenizer.pad_id, ignore_idx=ignore_index)
-    sampler = StatefulDistributedSampler(ds, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
+    sampler = StatefulDistributedSampler(
+        ds, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+    )
     return StatefulDataLoader(
         dataset=ds,
         batch_size=batch_size,
@@ -321,6 +334,52 @@ def dataset_columns(cfg_dataset: Any) -> Any:
 
 
 # ---- resume ---------------------------------------------------------------------------------------
+def steps_per_epoch(
+    num_batches: int,
+    *,
+    batch_size: int,
+    grad_accum: int,
+    max_steps_per_epoch: Optional[int],
+    per_rank: bool = False,
+) -> int:
+    """Optimizer steps an epoch of ``num_batches`` batches makes, at most ``max_steps_per_epoch``.
+
+    Raises:
+        ConfigKeyError: if the batches make no optimizer step.
+    """
+    steps = num_batches // grad_accum
+    if steps == 0:
+        raise ConfigKeyError(
+            f"dataset: {num_batches} batches of batch_size={batch_size}"
+            f"{' per rank' if per_rank else ''} make no optimizer step with "
+            f"gradient_accumulation_steps={grad_accum}"
+        )
+    return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)
+
+
+def setup_lr_scheduler(
+    cfg_lr_scheduler: Optional[DictConfig],
+    optimizer: torch.optim.Optimizer,
+    *,
+    num_training_steps: int,
+    global_step: int,
+    state: Optional[Dict[str, Any]] = None,
+) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+    """The ``lr_scheduler`` block's scheduler (None without one), set for the step after
+    ``global_step`` as torchtune does, and restored from a recipe ``state`` when resuming."""
+    if cfg_lr_scheduler is None:
+        return None
+    scheduler = config.instantiate(
+        cfg_lr_scheduler,
+        optimizer,
+        num_training_steps=num_training_steps,
+        last_epoch=global_step - 1,
+    )
+    if state is not None:
+        scheduler.load_state_dict(state["lr_scheduler"])
+    return scheduler
+
+
 def find_resume_state(output_dir) -> Tuple[Any, Dict[str, Any]]:
     """The newest complete checkpoint in ``output_dir`` and its recipe state.
 
