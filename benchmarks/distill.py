@@ -50,13 +50,6 @@ FULL = dict(teacher_steps=1000, steps=30, lrs=[3e-4, 1e-3, 3e-3, 1e-2], extras_l
 QUICK = dict(teacher_steps=30, steps=2, lrs=[1e-2], extras_lr=1e-2, seeds=1)
 
 
-def data_keys(corpus: Path, split: str) -> list:
-    """Overrides that point a tiny config's dataset at the corpus (text, not alpaca)."""
-    return ["dataset._component_=torchtune.datasets.text_completion_dataset",
-            "dataset.source=json", f"dataset.data_files={corpus}", "dataset.column=text",
-            "~dataset.train_on_input", f"dataset.split={split}"]
-
-
 def tune(recipe: str, config: str, *overrides: str) -> None:
     cmd = [TUNE, "run", recipe, "--config", str(ROOT / "configs" / config), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -67,7 +60,7 @@ def tune(recipe: str, config: str, *overrides: str) -> None:
 
 def evaluate(teacher: Path, out: Path, *overrides: str) -> float:
     """Held-out perplexity by ``tune run squash_eval``."""
-    held = data_keys(teacher / "corpus.jsonl", f"train[{distill_teacher.TRAIN}:]")
+    held = distill_teacher.dataset_overrides(teacher, held_out=True)
     tune("squash_eval", "opt_tiny_eval.yaml", f"output_dir={out}",
          f"checkpointer.checkpoint_dir={teacher}", *held, *overrides)
     return json.loads((out / "eval_results.json").read_text())["perplexity"]
@@ -80,7 +73,7 @@ def student(teacher: Path, work: Path, weights, lr: float, seed: int, steps: int
     task, kd, sh = weights
     tune("squash_distill", "opt_tiny_distill.yaml", f"output_dir={out}",
          f"checkpointer.checkpoint_dir={teacher}", f"teacher_checkpointer.checkpoint_dir={teacher}",
-         *data_keys(teacher / "corpus.jsonl", f"train[:{distill_teacher.TRAIN}]"),
+         *distill_teacher.dataset_overrides(teacher),
          f"task_weight={task}", f"kd_weight={kd}", f"squarehead_weight={sh}",
          f"optimizer.lr={lr}", f"seed={seed}", "epochs=1", f"max_steps_per_epoch={steps}",
          "save_adapter_weights_only=True")
@@ -96,7 +89,8 @@ def table(res: dict) -> str:
     t, q = res["teacher"], res["nf4"]
     gap0 = q - t
     lines = [
-        f"Teacher (seed {res.get('teacher_seed', 0)}) {t:.3f}, its NF4 copy {q:.3f} (gap {gap0:.3f}); {res['steps']} steps of 8 "
+        f"Teacher (seed {res.get('teacher_seed', 0)}) {t:.3f}, its NF4 copy {q:.3f} "
+        f"(gap {gap0:.3f}); {res['steps']} steps of 8 "
         f"records; held-out perplexity, mean ± std over {res['seeds']} seeds; gap closed = "
         "1 - (student - teacher) / (NF4 - teacher).",
         "",
@@ -135,7 +129,8 @@ def main(argv=None) -> int:
                    corpus_entropy=entropy, teacher_seed=args.teacher_seed, steps=p["steps"],
                    seeds=p["seeds"], rows=[])
         plan = [(a, lr) for lr in p["lrs"] for a in ("plain CE", "SquareHead + KL")]
-        plan += [(a, p["extras_lr"]) for a in ("KL alone", "SquareHead alone", "CE + KL + SquareHead")]
+        extras = ("KL alone", "SquareHead alone", "CE + KL + SquareHead")
+        plan += [(a, p["extras_lr"]) for a in extras]
         for arm, lr in plan:
             ppl = [student(teacher, work, ARMS[arm], lr, seed, p["steps"])
                    for seed in range(p["seeds"])]

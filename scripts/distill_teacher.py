@@ -62,7 +62,8 @@ def write_corpus(path: Path, records: int = RECORDS, words: int = 200, successor
     weights = []
     for _ in range(words):  # Dirichlet(1, ..., 1): normalised exponentials
         e = [rng.expovariate(1.0) for _ in range(successors)]
-        weights.append([x / sum(e) for x in e])
+        total = sum(e)
+        weights.append([x / total for x in e])
     lines = []
     for _ in range(records):
         w = rng.randrange(words)
@@ -75,6 +76,15 @@ def write_corpus(path: Path, records: int = RECORDS, words: int = 200, successor
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     return sum(-sum(p * math.log(p) for p in ws) for ws in weights) / words
+
+
+def dataset_overrides(out: Path, held_out: bool = False) -> List[str]:
+    """``tune run`` overrides that point a tiny config's dataset at the training records (or the
+    held-out ones) of ``out/corpus.jsonl``."""
+    split = f"train[{TRAIN}:]" if held_out else f"train[:{TRAIN}]"
+    return ["dataset._component_=torchtune.datasets.text_completion_dataset",
+            "dataset.source=json", f"dataset.data_files={Path(out) / 'corpus.jsonl'}",
+            "dataset.column=text", "~dataset.train_on_input", f"dataset.split={split}"]
 
 
 def records(tokenizer, corpus: Path, split: str) -> list:

@@ -33,12 +33,6 @@ def _script():
 teacher_script = _script()
 
 
-def _data(corpus, split):
-    return ["dataset._component_=torchtune.datasets.text_completion_dataset",
-            "dataset.source=json", f"dataset.data_files={corpus}", "dataset.column=text",
-            "~dataset.train_on_input", f"dataset.split={split}"]
-
-
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """The script's teacher: trained until its held-out loss is far below uniform."""
@@ -50,7 +44,7 @@ def teacher(tmp_path_factory):
 def _eval(tmp_path, name, teacher_dir, *overrides):
     """``tune run squash_eval --config configs/opt_tiny_eval.yaml ...`` on the held-out records."""
     out = tmp_path / f"eval_{name}"
-    held = _data(teacher_dir / "corpus.jsonl", f"train[{teacher_script.TRAIN}:]")
+    held = teacher_script.dataset_overrides(teacher_dir, held_out=True)
     cmd = [TUNE, "run", "squash_eval", "--config", str(EVAL), f"output_dir={out}", *held,
            *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -70,7 +64,7 @@ def test_squarehead_distillation_recovers_more_than_plain_ce(teacher, tmp_path):
     def student(name, task, kd, sh):
         out = tmp_path / name
         tune_run(out, *base, f"teacher_checkpointer.checkpoint_dir={teacher_dir}",
-                 *_data(teacher_dir / "corpus.jsonl", f"train[:{teacher_script.TRAIN}]"),
+                 *teacher_script.dataset_overrides(teacher_dir),
                  "batch_size=8", "epochs=1", "max_steps_per_epoch=30", "optimizer.lr=3e-3",
                  f"task_weight={task}", f"kd_weight={kd}", f"squarehead_weight={sh}",
                  recipe="squash_distill", config=DISTILL)
