@@ -20,6 +20,7 @@ either the whole directory or none):
 - ``checkpoint.json``: epoch and global step; written last, so a directory with it is complete.
 """
 
+import copy
 import json
 import logging
 import os
@@ -90,16 +91,7 @@ def write_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}.", dir=output_dir))
     try:
         tmp.chmod(0o755)
-        inner = tmp / "epoch_0"  # where the checkpointer writes when its output_dir is tmp
-        saved_dir = checkpointer._output_dir
-        checkpointer._output_dir = tmp
-        try:
-            checkpointer.save_checkpoint(
-                exports.checkpointer_state, epoch=0, intermediate_checkpoint=False,
-                adapter_only=adapter_only,
-            )  # fmt: skip
-        finally:
-            checkpointer._output_dir = saved_dir
+        inner = _save_hf_files(checkpointer, exports.checkpointer_state, tmp, adapter_only)
         if not inner.is_dir():
             raise RuntimeError(f"{type(checkpointer).__name__} wrote nothing into {inner}")
         # The PEFT adapter goes one level down: transformers' from_pretrained on a directory with
@@ -121,6 +113,20 @@ def write_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _save_hf_files(checkpointer: Any, state: Dict[str, Any], directory: Path, adapter_only: bool) -> Path:
+    """Have the model's checkpointer write its Hugging Face files (merged model, PEFT adapter,
+    config and tokenizer files) into ``directory/epoch_0``, and return that path.
+
+    torchtune's checkpointers take no target directory: they write ``<output_dir>/epoch_N``. A
+    shallow copy of the checkpointer is pointed at ``directory``, so the recipe's checkpointer
+    is never changed, whatever happens during the write.
+    """
+    writer = copy.copy(checkpointer)
+    writer._output_dir = Path(directory)
+    writer.save_checkpoint(state, epoch=0, intermediate_checkpoint=False, adapter_only=adapter_only)
+    return Path(directory) / "epoch_0"
 
 
 def _publish(path: Path) -> None:
