@@ -267,8 +267,12 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         else:
             adapter = initial_adapter_state_dict(model, self.seed)
         self._layout = exports.adapter_layout(model)
-        # with init: svd, the PEFT export is relative to the original weights
-        self._svd_init = exports.dense_adapter(adapter, self._layout) if svd else None
+        # with init: svd, the PEFT export is relative to the original weights; in the model's
+        # dtype, as the single-device recipes read these factors from the model
+        self._svd_init = None
+        if svd:
+            dense = exports.dense_adapter(adapter, self._layout)
+            self._svd_init = {k: v.to(self._dtype) for k, v in dense.items()}
         if resume_dir is not None:
             expected = set(adapter)  # every adapter tensor of the model
             adapter = ckpt.load_squash_adapter(resume_dir)
