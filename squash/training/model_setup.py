@@ -162,4 +162,7 @@ def svd_init_factors(cfg_model: DictConfig, model: nn.Module) -> Optional[Dict[s
     :func:`setup_adapter_model`): the PEFT export is relative to the original weights."""
     if cfg_model.get("init", "lora") != "svd":
         return None
-    return dense_adapter(model.state_dict(), adapter_layout(model))
+    # copies: a dense factor's tensor would otherwise be the live parameter (on the CPU,
+    # detach().cpu() keeps its storage) and train along, and the delta would lose B0 A0
+    dense = dense_adapter(model.state_dict(), adapter_layout(model))
+    return {k: v.clone() for k, v in dense.items()}
