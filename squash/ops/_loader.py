@@ -36,7 +36,7 @@ try:
 except ImportError:  # not POSIX: no build lock, PyTorch's own baton only
     fcntl = None
 
-_SOURCES = {"cpu": ["ffi_cpu.cpp"], "cuda": ["ffi_cuda.cu"]}
+_SOURCES = {"cpu": ["ffi_cpu.cpp", "nf4_cpu.cpp"], "cuda": ["ffi_cuda.cu", "nf4_cuda.cu"]}
 _SOURCE_SUFFIXES = {".cpp", ".h", ".cu", ".cuh"}
 _state: dict[str, Optional[str]] = {}  # device type -> None (loaded) or the failure message
 _built: dict[str, dict[str, str]] = {}  # device type -> what the loaded build reports
@@ -141,16 +141,25 @@ def _cpu_tag() -> str:
 
 
 def extension_name(device_type: str) -> str:
-    """The build's name, and so its cache folder: the CPU's tag and ISA variant are part of it."""
+    """The build's name, and so its cache folder: the CPU's tag and ISA variant are part of it,
+    and the sources' content hash, so that processes running different versions of squash (two
+    checkouts, an upgrade) never rebuild, or load mid-rebuild, one another's build."""
+    digest = _source_digest()[:8]
     if device_type == "cpu":
-        return f"squash_ffi_cpu_{cpu_isa()}_{_cpu_tag()}"
-    return f"squash_ffi_{device_type}"
+        return f"squash_ffi_cpu_{cpu_isa()}_{_cpu_tag()}_{digest}"
+    return f"squash_ffi_{device_type}_{digest}"
 
 
 def _build_root() -> Path:
     from torch.utils import cpp_extension
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def _source_digest() -> str:
+    """SHA-1 of the kernel sources' names and contents."""
+    files = sorted(p for p in kernels_dir().iterdir() if p.suffix in _SOURCE_SUFFIXES)
+    return hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
 
 
 def stage_sources() -> Path:
@@ -161,7 +170,7 @@ def stage_sources() -> Path:
     """
     src = kernels_dir()
     files = sorted(p for p in src.iterdir() if p.suffix in _SOURCE_SUFFIXES)
-    digest = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+    digest = _source_digest()
     staged = _build_root() / "squash_sources" / digest[:16]
     if not staged.is_dir():
         staged.parent.mkdir(parents=True, exist_ok=True)
