@@ -251,11 +251,20 @@ def _compile(device_type: str) -> None:
         )
     info = {"build": str(build_dir)}
     if device_type == "cpu" and isinstance(path, str):
+        info["library"] = path
         lib = ctypes.CDLL(path)
         lib.squash_ffi_cpu_isa.restype = ctypes.c_char_p
         info["isa"] = lib.squash_ffi_cpu_isa().decode()
         info["vector_bytes"] = str(lib.squash_ffi_cpu_vector_bytes())
     _built[device_type] = info
+
+
+def cpu_library() -> Optional[ctypes.CDLL]:
+    """The loaded CPU build as a ``ctypes`` library (for its C entry points, e.g. the phase
+    timers benchmarks/ffi_kernels.py reads), or None when no native CPU kernel is loaded."""
+    if not ensure_loaded("cpu") or "library" not in _built.get("cpu", {}):
+        return None
+    return ctypes.CDLL(_built["cpu"]["library"])
 
 
 def ensure_loaded(device_type: str) -> bool:

@@ -38,9 +38,10 @@ def test_ffi_kernels_table_is_consistent(tmp_path):
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    text, _, phase_text = table.read_text().partition("## FFI time by phase")
     rows = [
         [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
-        for line in table.read_text().splitlines()
+        for line in text.splitlines()
         if re.match(r"^\| \d", line)
     ]
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("64", "8", "16", "50%"), ("64", "8", "16", "90%")]
@@ -55,6 +56,23 @@ def test_ffi_kernels_table_is_consistent(tmp_path):
             value, err = _printed(r[total])
             printed = [_printed(r[i]) for i in parts]
             assert abs(value - sum(v for v, _ in printed)) <= err + sum(e for _, e in printed), r
+
+
+    # The phase table: each op of each sparsity once; the phases' thread time fits in the call's
+    # wall time x threads (they never overlap within a thread), and the share column is its sum.
+    phases = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in phase_text.splitlines()
+        if re.match(r"^\| \d", line)
+    ]
+    if "FFI backend: native" in text:  # the reference has no phases to time
+        assert [(r[3], r[4]) for r in phases] == [
+            (s, op) for s in ("50%", "90%") for op in ("fwd", "grad_in", "grad_val")
+        ]
+        for r in phases:
+            shares = [int(c.split("(")[1].rstrip("%)")) for c in r[6:10]]
+            assert 0 <= int(r[10].rstrip("%")) <= 101 and all(0 <= v <= 101 for v in shares), r
+            assert abs(sum(shares) - int(r[10].rstrip("%"))) <= 3, r
 
 
 def _printed(text: str) -> tuple[float, float]:
