@@ -25,7 +25,9 @@ def test_gpu_check_without_gpu_checks_cpu_path_and_exits_3():
     assert "no CUDA/ROCm GPU present" in out
     # 4 shapes x 3 dtypes x 2 index dtypes, each compared with the reference and the dense product,
     # and the bad-index check (a ValueError on the CPU as on the GPU: one contract).
-    assert len(re.findall(r"^\s+PASS\s", out, re.M)) == 25, out[-3000:]
+    # And the NF4 dequantization, 3 shapes x 3 dtypes, bit for bit against torchao.
+    assert len(re.findall(r"^\s+PASS\s", out, re.M)) == 25 + 9, out[-3000:]
+    assert len(re.findall(r"^\s+PASS\s+nf4 ", out, re.M)) == 9, out[-3000:]
     assert not re.search(r"^\s+FAIL\s", out, re.M)
 
 
