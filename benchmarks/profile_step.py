@@ -274,22 +274,17 @@ def train_step(model, optimizer, tokens, device):
     return loss.item()
 
 
-# torchao dequantizes inside NF4Tensor's aten::to / aten::_to_copy, which unpack the nibbles.
-_UNPACK = {"aten::bitwise_right_shift", "aten::__rshift__", "aten::bitwise_and", "aten::__and__"}
-
-
-def _unpacks(ev) -> bool:
-    return any(c.name in _UNPACK or _unpacks(c) for c in ev.cpu_children)
-
-
 def _is_dequant(ev) -> bool:
-    """Whether an event is part of an NF4 dequantization (squash's or torchao's)."""
-    e = ev
+    """Whether an event is part of an NF4 dequantization: squash's op, or (torchao) any operator
+    other than the matmul under torchao's LinearNF4 function or its backward node (NF4Tensor
+    dequantizes in Python, so its own ``to`` is not recorded, only the operators it runs)."""
+    e, matmul = ev, False
     while e is not None:
         if e.name == "squash::nf4_dequantize":
             return True
-        if e.name in ("aten::_to_copy", "aten::to") and _unpacks(e):
-            return True
+        matmul = matmul or e.name in MATMUL_OPS
+        if e.name.startswith("LinearNF4"):
+            return not matmul
         e = e.cpu_parent
     return False
 
@@ -317,7 +312,7 @@ def classify(events, device: str) -> tuple:
     for e in ops:
         scope = _scope(e) if e.sequence_nr >= 0 else None
         if scope is not None:  # a forward operator that made an autograd node
-            fwd_kind.setdefault(e.sequence_nr, (scope, _is_dequant(e)))
+            fwd_kind.setdefault(e.sequence_nr, scope)
     ms = dict.fromkeys(KINDS, 0.0)
     top = {}
     for e in ops:
@@ -333,8 +328,7 @@ def classify(events, device: str) -> tuple:
                 # torch.library's autograd nodes: numbered before their forward op is recorded
                 scope = _CUSTOM_NODES[next(k for k in _CUSTOM_NODES if p.name.startswith(k))]
             elif p is not None and p.sequence_nr in fwd_kind:
-                scope, fwd_dequant = fwd_kind[p.sequence_nr]
-                dequant = dequant or fwd_dequant
+                scope = fwd_kind[p.sequence_nr]
         if scope == "adapted":
             if dequant:
                 scope = "NF4 dequantize"

@@ -54,15 +54,18 @@ def test_squash_adapter_density_counts_in_flops():
     assert got["adapter ops"] == pytest.approx(want, rel=1e-12)
 
 
-@pytest.mark.parametrize("adapter, nf4", [("lora", False), ("squash", True)])
+@pytest.mark.parametrize("adapter, nf4", [("lora", False), ("squash", True), ("qlora", True)])
 def test_profiled_step_puts_nf4_time_where_it_is(adapter, nf4):
     args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", "--adapter", adapter,
                                     "--batch", "1", "--seq-len", "16", "--steps", "1",
                                     "--warmup", "0"])  # fmt: skip
     res = profile_step.profile(args)
     assert (res["ms"]["NF4 dequantize"] > 0) == nf4
-    if nf4:
+    if adapter == "squash":  # squash's kernel; torchtune's QLoRA: torchao's operators
         assert "squash::nf4_dequantize" in res["top"]["NF4 dequantize"]
+    if adapter == "qlora":
+        assert "aten::index" in res["top"]["NF4 dequantize"]
+        assert not set(res["top"]["NF4 dequantize"]) & profile_step.MATMUL_OPS
     for kind in ("base matmul", "attention", "output head", "loss", "optimizer"):
         assert res["ms"][kind] > 0, kind
     assert "squash::ffi_linear" in res["top"]["adapter ops"] or adapter != "squash"
