@@ -376,14 +376,18 @@ def table(args, res) -> str:
     dev = "cpu" if args.device == "cpu" else "cuda"
     st = status()[dev]
     total = sum(res["ms"].values())
+    from squash.ops.nf4 import backend
+
+    nf4_path = {"squash": f"{backend()} (squash.ops.nf4_linear)",
+                "qlora": "torchao (torchtune's LoRALinear: linear_nf4)", "lora": "none"}[args.adapter]
     adapter = args.adapter if args.adapter != "squash" else (
         f"squash A{'+B' if args.sparse_factor == 'both' else ''} {round(args.sparsity * 100)}%")
     lines = [
         f"# one step: {args.model}, {args.layers or SMOLLM2['num_layers']} layers, "
         f"{adapter} r={res['rank']}, {args.batch} x {args.seq_len} tokens",
         f"# {machine_line(args.device, DTYPES[args.dtype])}",
-        f"# kernels: {st.get('backend')} {st.get('isa', st.get('arch', ''))}; NF4 path: "
-        f"{__import__('squash.ops.nf4', fromlist=['backend']).backend()}",
+        f"# squash kernels: {st.get('backend')} {st.get('isa', st.get('arch', ''))}; NF4 path: "
+        f"{nf4_path}",
         "",
         "| kind | ms | share | matmul GFLOP |",
         "|---|---:|---:|---:|",
