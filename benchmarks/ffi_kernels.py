@@ -68,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=3.0,
                    help="seconds of timed rounds to aim for per shape when --repeats is not given")
     p.add_argument("--out", type=Path, help="markdown file (default: under benchmarks/results/)")
+    p.add_argument("--no-phases", action="store_true", help="skip the CPU phase table")
     return p.parse_args(argv)
 
 
@@ -161,6 +162,57 @@ def bench_shape(tokens, in_features, out_features, sparsities, dtype, device, re
     return dense, ffi, rounds
 
 
+PHASES = ("tile transposes in", "tile transposes out", "gather FMAs", "CSC build")
+PHASE_HEADER = ("| in | out | T | sparsity | op | ms / call | " + " | ".join(PHASES)
+                + " | timed share |")  # fmt: skip
+
+
+def phase_rows(tokens, in_features, out_features, sparsities, dtype, calls_per_op=5) -> list:
+    """Where the CPU kernel's time goes: per op, the thread time of each phase (ms per call, and
+    its share of the op's wall time x threads), from the kernel's own phase timers
+    (``squash_ffi_cpu_phases``); run apart from the timed rounds, so their clock reads do not
+    touch the ratios. Empty where no native CPU kernel is loaded."""
+    import ctypes
+
+    lib = squash.ops._loader.cpu_library()
+    if lib is None or not hasattr(lib, "squash_ffi_cpu_phases"):
+        return []
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, in_features, generator=gen).to(dtype=dtype)
+    g = torch.randn(tokens, out_features, generator=gen).to(dtype=dtype)
+    buf = (ctypes.c_int64 * 4)()
+    threads = torch.get_num_threads()
+    rows = []
+    for s in sparsities:
+        k = fan_in_for(in_features, s)
+        idx = random_ffi_indices(out_features, in_features, k, generator=gen)
+        val = torch.randn(out_features, k, generator=gen).to(dtype=dtype)
+        ops = {
+            "fwd": lambda: torch.ops.squash.ffi_linear(x, val, idx),
+            "grad_in": lambda: torch.ops.squash.ffi_linear_grad_input(g, val, idx, in_features),
+            "grad_val": lambda: torch.ops.squash.ffi_linear_grad_values(g, x, idx),
+        }
+        with torch.inference_mode():
+            for op, fn in ops.items():
+                fn()  # warm-up, untimed
+                lib.squash_ffi_cpu_phases(1)
+                lib.squash_ffi_cpu_phase_ns(buf)  # zero the counters
+                t0 = time.perf_counter()
+                for _ in range(calls_per_op):
+                    fn()
+                wall = (time.perf_counter() - t0) / calls_per_op * 1e3
+                lib.squash_ffi_cpu_phases(0)
+                lib.squash_ffi_cpu_phase_ns(buf)
+                ns = list(buf)
+                ns[2] -= ns[1]  # the gather's row blocks include their transposes out
+                per = [v / calls_per_op / 1e6 for v in ns]
+                share = 100 * sum(per) / (wall * threads)
+                cells = " | ".join(f"{fmt_ms(v)} ({100 * v / (wall * threads):.0f}%)" for v in per)
+                rows.append(f"| {in_features} | {out_features} | {tokens} | {round(s * 100)}% | "
+                            f"{op} | {fmt_ms(wall)} | {cells} | {share:.0f}% |")  # fmt: skip
+    return rows
+
+
 def fmt_ms(ms: float) -> str:
     return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
 
@@ -234,6 +286,32 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     lines += ["", f"Whole table: {elapsed:.0f} s."]
     print(lines[-1])
+
+    if torch.device(device).type == "cpu" and not args.no_phases:
+        phases = [
+            phase_rows(tokens, in_f, out_f, grid["sparsity"], dtype)
+            for in_f in grid["in_features"]
+            for out_f in grid["out_features"]
+            for tokens in grid["tokens"]
+            if tokens > 8  # fewer tokens skip the tiles: a direct gather, no phases
+        ]
+        phases = [r for rows_ in phases for r in rows_]
+        if phases:
+            head = [
+                "",
+                f"## FFI time by phase ({torch.get_num_threads()} threads)",
+                "",
+                "Thread milliseconds per call of each phase, timed inside the kernel, and its "
+                "share of the call's wall time x threads; the rest (timed share < 100%) is "
+                "scheduling, allocation and argument checks. Gather FMAs: the gather "
+                "multiply-adds of the row blocks (forward, input gradient) or the dot products "
+                "(values gradient).",
+                "",
+                PHASE_HEADER,
+                "|" + "---|" * (PHASE_HEADER.count("|") - 1),
+            ]
+            lines += head + phases
+            print("\n".join(head + phases), flush=True)
 
     dev = torch.device(device).type
     suffix = "" if args.dtype == "float32" else f"_{args.dtype}"

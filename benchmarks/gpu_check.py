@@ -142,6 +142,54 @@ def run_checks(device: str, shapes) -> bool:
     return all_ok
 
 
+NF4_SHAPES = [((1024, 1024), 64, 256), ((576, 576), 64, 64), ((6, 4), 6, 4)]
+
+
+def run_nf4_checks(device: str) -> bool:
+    """squash's NF4 dequantization on ``device`` against torchao's get_original_weight(), bit for
+    bit, for fp32, bf16 and fp16 weights."""
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    from squash.ops import nf4_dequantize
+
+    log(f"\n== NF4 dequantize on {device}: bit for bit against torchao ==")
+    all_ok = True
+    for shape, block, scaler_block in NF4_SHAPES:
+        for dtype, view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16),
+                            (torch.float16, torch.int16)):  # fmt: skip
+            w = to_nf4((torch.randn(shape) * 0.02).to(dtype=dtype, device=device), block,
+                       scaler_block)  # fmt: skip
+            want, got = w.get_original_weight(), nf4_dequantize(w)
+            ok = got.shape == want.shape and torch.equal(got.view(view), want.view(view))
+            all_ok &= ok
+            name = f"{shape} blocks {block}x{scaler_block}, {str(dtype)[6:]}"
+            log(f"  {'PASS' if ok else 'FAIL'}  nf4 {name}")
+    return all_ok
+
+
+def nf4_timing() -> list[str]:
+    """bf16 NF4 dequantization GB/s (bytes read + written) against a device copy's GB/s, and
+    squash against torchao, on an 8192 x 8192 weight (torchao's blocks)."""
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    from squash.ops import nf4_dequantize
+
+    w = to_nf4(torch.randn(8192, 8192, device=GPU, dtype=torch.bfloat16) * 0.02)
+    n = w.numel()
+    dense = w.get_original_weight()
+    copy_ms = _median_ms(lambda: dense.clone())
+    sq_ms = _median_ms(lambda: nf4_dequantize(w))
+    ao_ms = _median_ms(w.get_original_weight)
+    copy_gbs = 2 * n * 2 / copy_ms / 1e6
+    sq_gbs = (n / 2 + n * 2) / sq_ms / 1e6
+    return ["", "| NF4 dequantize, 8192 x 8192 bf16 | ms | GB/s | x copy rate |",
+            "|---|---:|---:|---:|",
+            f"| device copy (clone) | {copy_ms:.3f} | {copy_gbs:.0f} | 1.00 |",
+            f"| squash nf4_dequantize | {sq_ms:.3f} | {sq_gbs:.0f} | {sq_gbs / copy_gbs:.2f} |",
+            f"| torchao get_original_weight | {ao_ms:.3f} | {(n / 2 + n * 2) / ao_ms / 1e6:.0f} | "
+            f"{(n / 2 + n * 2) / ao_ms / 1e6 / copy_gbs:.2f} |"]  # fmt: skip
+
+
 # ---- timing --------------------------------------------------------------------------------------
 def _median_ms(fn, min_time_s: float = 0.03) -> float:
     fn()  # warm-up (and first-call work such as index validation)
@@ -256,6 +304,7 @@ def main() -> int:
         cpu = "native" if _loader.ensure_loaded("cpu") else "reference"
         log(f"\nno CUDA/ROCm GPU present: checking the CPU path instead (CPU kernels: {cpu})")
         ok = run_checks("cpu", CPU_SHAPES)
+        ok &= run_nf4_checks("cpu")
         log(f"\nCPU path {'passed' if ok else 'FAILED'}; no GPU check ran (exit code "
             f"{3 if ok else 1}: 3 = no GPU, CPU path passed)")  # fmt: skip
         return 3 if ok else 1
@@ -272,11 +321,13 @@ def main() -> int:
         return 2
 
     ok = run_checks(GPU, CHECK_SHAPES)
+    ok &= run_nf4_checks(GPU)
     log(f"\ncorrectness on the GPU: {'PASSED' if ok else 'FAILED'}")
     if args.no_timing:
         rows, notes = [], ["timing skipped (--no-timing)"]
     else:
         rows, notes = run_timing(budget_end)
+        rows += nf4_timing()
 
     name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower()).strip("_")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -38,8 +38,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -48,6 +51,30 @@
 #include "ffi_index_check.h"
 
 namespace {
+
+// ---- per-phase thread time, for benchmarks/ffi_kernels.py ---------------------------------------
+// Off unless squash_ffi_cpu_phases(1) turned it on (then each timed region reads the clock twice).
+// Phases: 0 tile transposes in (token- to feature-major), 1 tile transposes out, 2 gather
+// multiply-adds (their row blocks, less the transposes out they contain), 3 the CSC build of the
+// input gradient (wall time of the calling thread).
+std::atomic<bool> g_phase_on{false};
+std::atomic<int64_t> g_phase_ns[4];
+
+struct PhaseTimer {
+  int id;
+  bool on;
+  std::chrono::steady_clock::time_point t0;
+  explicit PhaseTimer(int i) : id(i), on(g_phase_on.load(std::memory_order_relaxed)) {
+    if (on) t0 = std::chrono::steady_clock::now();
+  }
+  ~PhaseTimer() {
+    if (on)
+      g_phase_ns[id].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - t0)
+                                   .count(),
+                               std::memory_order_relaxed);
+  }
+};
 
 using squash_ffi_cpu::load_vec;
 using squash_ffi_cpu::store_vec;
@@ -198,6 +225,7 @@ Blocks make_blocks(const key_t* keys, int64_t rows, int64_t key_limit, int64_t w
 template <typename scalar_t, typename acc_t>
 void to_feature_major(const scalar_t* src, int64_t rs, int64_t tv, int64_t F, int64_t W,
                       acc_t* __restrict dst) {
+  const PhaseTimer timer(0);
   const int64_t t8 = tv / 8 * 8, f8 = F / 8 * 8;
   for (int64_t l0 = 0; l0 < t8; l0 += 8) {
     for (int64_t f0 = 0; f0 < f8; f0 += 8)
@@ -216,6 +244,7 @@ void to_feature_major(const scalar_t* src, int64_t rs, int64_t tv, int64_t F, in
 template <typename scalar_t, typename acc_t>
 void to_token_major(const acc_t* blk, int64_t nr, int64_t W, int64_t tv, scalar_t* dst,
                     int64_t ds) {
+  const PhaseTimer timer(1);
   const int64_t t8 = tv / 8 * 8, r8 = nr / 8 * 8;
   for (int64_t l0 = 0; l0 < t8; l0 += 8) {
     for (int64_t b0 = 0; b0 < r8; b0 += 8)
@@ -405,6 +434,7 @@ void gather_spmm(const scalar_t* src, int64_t T, int64_t ss, int64_t F,
       const int64_t t0 = tile * Wc, tv = std::min<int64_t>(Wc, T - t0);
       acc_t* blk = scratch<acc_t>(1, kRowBlock * Wc);
       for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+        const PhaseTimer timer(2);  // includes the transpose out, which phase 1 also counts
         const int64_t nr = std::min(kRowBlock, r1 - rb);
         if (blocked) {
           std::fill(blk, blk + nr * Wc, acc_t(0));
@@ -559,6 +589,7 @@ void grad_input_impl(const at::Tensor& g2, const at::Tensor& values, const idx_t
   // Transposed pattern (CSC): column i holds entries [ptr[i], ptr[i + 1]) of (col_rows, col_w),
   // in increasing row order. A counting sort by column, in nc chunks of rows counted and filled
   // in parallel: chunk c writes its entries of column i from start[c * in + i] on.
+  std::optional<PhaseTimer> csc_timer(std::in_place, 3);
   const int64_t nc =
       nnz * kNsPerCscEntry < kSerialNs ? 1 : std::min<int64_t>(at::get_num_threads(), out);
   at::Tensor csc_ptr = at::empty({in + 1 + nc * in}, at::kLong);
@@ -599,6 +630,7 @@ void grad_input_impl(const at::Tensor& g2, const at::Tensor& values, const idx_t
 
   // Row i of the input gradient gathers the pairs (values[o, j], grad_out[:, o]) of column i.
   const Csr<acc_t, int32_t, RowPtr> cols{col_rows, col_w, RowPtr{ptr}, in, nnz};
+  csc_timer.reset();
   gather_spmm<scalar_t>(g, T, sg, out, cols, gx);
 }
 
@@ -694,6 +726,7 @@ void grad_values_impl(const at::Tensor& g2, const at::Tensor& x2, const idx_t* i
             const int64_t t0 = tile * Wc, tv = std::min<int64_t>(Wc, T - t0);
             to_feature_major(x + t0 * sx, sx, tv, in, Wc, xT);
             to_feature_major(g + t0 * sg, sg, tv, out, Wc, gT);
+            const PhaseTimer timer(2);
             if (!blocked) {
               for (int64_t o = 0; o < out; ++o)
                 dot_rows<Wc>(gT + o * Wc, xT, idx + o * k, k, part + o * k);
@@ -733,6 +766,7 @@ void grad_values_impl(const at::Tensor& g2, const at::Tensor& x2, const idx_t* i
     const int64_t grain = grain_for(out, nt * k * Wc * kNsPerTileFma);
     at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
       acc_t* part = scratch<acc_t>(0, k);
+      const PhaseTimer timer(2);
       for (int64_t o = o0; o < o1; ++o) {
         std::fill(part, part + k, acc_t(0));
         for (int64_t tile = 0; tile < nt; ++tile)
@@ -783,6 +817,11 @@ at::Tensor ffi_linear_grad_values_cpu(const at::Tensor& grad_out, const at::Tens
 // What this build targets, read by squash.ops.status() (through ctypes, outside the dispatcher).
 extern "C" const char* squash_ffi_cpu_isa() { return SQUASH_FFI_ISA; }
 extern "C" int squash_ffi_cpu_vector_bytes() { return SQUASH_FFI_VEC_BYTES; }
+// Phase timing (benchmarks): turn it on or off; read the 4 counters (ns) and zero them.
+extern "C" void squash_ffi_cpu_phases(int on) { g_phase_on.store(on != 0); }
+extern "C" void squash_ffi_cpu_phase_ns(int64_t* out) {
+  for (int i = 0; i < 4; ++i) out[i] = g_phase_ns[i].exchange(0);
+}
 
 TORCH_LIBRARY_IMPL(squash, CPU, m) {
   m.impl("ffi_linear", &ffi_linear_cpu);

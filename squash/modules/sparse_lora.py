@@ -18,12 +18,12 @@ from squash._checks import INITS, check_choice, check_int, check_real, check_spa
 from squash.modules._nf4 import (
     NF4Tensor,
     check_nf4_shape,
-    linear_nf4,
     nf4_block_sizes,
     quantize_nf4,
 )
 from squash.modules.adapter import SparseAdapterModule
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
+from squash.ops.nf4 import nf4_linear
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
 # Which of (lora_a, lora_b) is FFI for each sparse_factor.
@@ -318,7 +318,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             torch.Tensor: ``(..., out_dim)``.
         """
         if self._quantize_base:
-            out = linear_nf4(input=x, weight=self.weight)
+            out = nf4_linear(x, self.weight)  # torchao's linear_nf4 with squash's dequantize
             if self.use_bias:
                 out = out + self.bias
         else:

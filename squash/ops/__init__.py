@@ -1,7 +1,16 @@
-"""FFI custom ops (``torch.ops.squash.*``), kernel loading and the pure-PyTorch reference."""
+"""FFI and NF4 custom ops (``torch.ops.squash.*``), kernel loading and the pure-PyTorch reference."""
 
 from squash.ops import reference
 from squash.ops._loader import ensure_loaded, kernels_dir, status
 from squash.ops.ffi_linear import ffi_linear
+from squash.ops.nf4 import nf4_dequantize, nf4_linear
 
-__all__ = ["ensure_loaded", "ffi_linear", "kernels_dir", "reference", "status"]
+__all__ = [
+    "ensure_loaded",
+    "ffi_linear",
+    "kernels_dir",
+    "nf4_dequantize",
+    "nf4_linear",
+    "reference",
+    "status",
+]

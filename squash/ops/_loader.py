@@ -13,6 +13,9 @@ has no effect, because a loaded kernel stays registered with the dispatcher):
   vectors this CPU has. ``avx512``, ``avx2``, ``generic`` (x86-64; ``generic`` means 16-byte SSE
   vectors) or ``neon`` (aarch64) build that variant instead, a narrower one on a wider host, each
   in its own cache folder; asking for an ISA this CPU lacks raises ``ValueError``.
+- ``SQUASH_NF4``: ``native`` (default) or ``torchao``: whether squash's adapted linears run their
+  NF4 base through :func:`squash.ops.nf4_linear` (squash's dequantize kernel) or torchao's
+  ``linear_nf4`` (the results are equal bit for bit).
 - ``SQUASH_BUILD_TIMEOUT``: seconds to wait for another process building the same kernel (default
   1200); then squash warns and the reference serves. A build killed midway leaves PyTorch's
   ``lock`` file behind: squash builds under its own ``flock`` (which the kernel drops when its
@@ -36,7 +39,7 @@ try:
 except ImportError:  # not POSIX: no build lock, PyTorch's own baton only
     fcntl = None
 
-_SOURCES = {"cpu": ["ffi_cpu.cpp"], "cuda": ["ffi_cuda.cu"]}
+_SOURCES = {"cpu": ["ffi_cpu.cpp", "nf4_cpu.cpp"], "cuda": ["ffi_cuda.cu", "nf4_cuda.cu"]}
 _SOURCE_SUFFIXES = {".cpp", ".h", ".cu", ".cuh"}
 _state: dict[str, Optional[str]] = {}  # device type -> None (loaded) or the failure message
 _built: dict[str, dict[str, str]] = {}  # device type -> what the loaded build reports
@@ -141,16 +144,25 @@ def _cpu_tag() -> str:
 
 
 def extension_name(device_type: str) -> str:
-    """The build's name, and so its cache folder: the CPU's tag and ISA variant are part of it."""
+    """The build's name, and so its cache folder: the CPU's tag and ISA variant are part of it,
+    and the sources' content hash, so that processes running different versions of squash (two
+    checkouts, an upgrade) never rebuild, or load mid-rebuild, one another's build."""
+    digest = _source_digest()[:8]
     if device_type == "cpu":
-        return f"squash_ffi_cpu_{cpu_isa()}_{_cpu_tag()}"
-    return f"squash_ffi_{device_type}"
+        return f"squash_ffi_cpu_{cpu_isa()}_{_cpu_tag()}_{digest}"
+    return f"squash_ffi_{device_type}_{digest}"
 
 
 def _build_root() -> Path:
     from torch.utils import cpp_extension
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def _source_digest() -> str:
+    """SHA-1 of the kernel sources' names and contents."""
+    files = sorted(p for p in kernels_dir().iterdir() if p.suffix in _SOURCE_SUFFIXES)
+    return hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
 
 
 def stage_sources() -> Path:
@@ -161,7 +173,7 @@ def stage_sources() -> Path:
     """
     src = kernels_dir()
     files = sorted(p for p in src.iterdir() if p.suffix in _SOURCE_SUFFIXES)
-    digest = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+    digest = _source_digest()
     staged = _build_root() / "squash_sources" / digest[:16]
     if not staged.is_dir():
         staged.parent.mkdir(parents=True, exist_ok=True)
@@ -242,11 +254,20 @@ def _compile(device_type: str) -> None:
         )
     info = {"build": str(build_dir)}
     if device_type == "cpu" and isinstance(path, str):
+        info["library"] = path
         lib = ctypes.CDLL(path)
         lib.squash_ffi_cpu_isa.restype = ctypes.c_char_p
         info["isa"] = lib.squash_ffi_cpu_isa().decode()
         info["vector_bytes"] = str(lib.squash_ffi_cpu_vector_bytes())
     _built[device_type] = info
+
+
+def cpu_library() -> Optional[ctypes.CDLL]:
+    """The loaded CPU build as a ``ctypes`` library (for its C entry points, e.g. the phase
+    timers benchmarks/ffi_kernels.py reads), or None when no native CPU kernel is loaded."""
+    if not ensure_loaded("cpu") or "library" not in _built.get("cpu", {}):
+        return None
+    return ctypes.CDLL(_built["cpu"]["library"])
 
 
 def ensure_loaded(device_type: str) -> bool:

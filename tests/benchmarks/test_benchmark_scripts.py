@@ -25,7 +25,9 @@ def test_gpu_check_without_gpu_checks_cpu_path_and_exits_3():
     assert "no CUDA/ROCm GPU present" in out
     # 4 shapes x 3 dtypes x 2 index dtypes, each compared with the reference and the dense product,
     # and the bad-index check (a ValueError on the CPU as on the GPU: one contract).
-    assert len(re.findall(r"^\s+PASS\s", out, re.M)) == 25, out[-3000:]
+    # And the NF4 dequantization, 3 shapes x 3 dtypes, bit for bit against torchao.
+    assert len(re.findall(r"^\s+PASS\s", out, re.M)) == 25 + 9, out[-3000:]
+    assert len(re.findall(r"^\s+PASS\s+nf4 ", out, re.M)) == 9, out[-3000:]
     assert not re.search(r"^\s+FAIL\s", out, re.M)
 
 
@@ -38,9 +40,10 @@ def test_ffi_kernels_table_is_consistent(tmp_path):
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    text, _, phase_text = table.read_text().partition("## FFI time by phase")
     rows = [
         [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
-        for line in table.read_text().splitlines()
+        for line in text.splitlines()
         if re.match(r"^\| \d", line)
     ]
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("64", "8", "16", "50%"), ("64", "8", "16", "90%")]
@@ -55,6 +58,23 @@ def test_ffi_kernels_table_is_consistent(tmp_path):
             value, err = _printed(r[total])
             printed = [_printed(r[i]) for i in parts]
             assert abs(value - sum(v for v, _ in printed)) <= err + sum(e for _, e in printed), r
+
+
+    # The phase table: each op of each sparsity once; the phases' thread time fits in the call's
+    # wall time x threads (they never overlap within a thread), and the share column is its sum.
+    phases = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in phase_text.splitlines()
+        if re.match(r"^\| \d", line)
+    ]
+    if "FFI backend: native" in text:  # the reference has no phases to time
+        assert [(r[3], r[4]) for r in phases] == [
+            (s, op) for s in ("50%", "90%") for op in ("fwd", "grad_in", "grad_val")
+        ]
+        for r in phases:
+            shares = [int(c.split("(")[1].rstrip("%)")) for c in r[6:10]]
+            assert 0 <= int(r[10].rstrip("%")) <= 101 and all(0 <= v <= 101 for v in shares), r
+            assert abs(sum(shares) - int(r[10].rstrip("%"))) <= 3, r
 
 
 def _printed(text: str) -> tuple[float, float]:

@@ -40,6 +40,15 @@ for threads in (1, 2):
             for r, want, ref in zip(got, dense_ops(x, v, idx, g), refs):
                 assert_close(r, want, dtype)
                 assert_close(r, ref, dtype, roundings=2)
+# The NF4 dequantize kernel of this variant: torchao's get_original_weight() bit for bit.
+from torchao.dtypes.nf4tensor import to_nf4
+for dtype, view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16),
+                    (torch.float16, torch.int16)):
+    for shape, block, scaler_block in (((256, 64), 64, 256), ((576, 576), 64, 64),
+                                       ((10, 36), 10, 12), ((2, 1000), 250, 8)):
+        w = to_nf4((torch.randn(shape) * 0.02).to(dtype), block, scaler_block)
+        got = squash.ops.nf4_dequantize(w)
+        assert torch.equal(got.view(view), w.get_original_weight().view(view)), (dtype, shape)
 print(json.dumps(squash.ops.status()["cpu"]))
 """
 
@@ -77,16 +86,20 @@ CROSS = shutil.which("aarch64-linux-gnu-g++")
 @pytest.mark.skipif(CROSS is None, reason="aarch64-linux-gnu-g++ not found (Debian: apt-get "
                     "install g++-aarch64-linux-gnu; .ci/run installs it)")  # fmt: skip
 def test_cpu_kernel_compiles_for_aarch64(tmp_path):
-    """The CPU kernel (and its NEON micro-kernels) compiles for aarch64 against this torch's
+    """The CPU kernels (FFI and NF4, with their NEON code) compile for aarch64 against this torch's
     headers, to an aarch64 object that reports the NEON ISA."""
     from torch.utils import cpp_extension
 
-    obj = tmp_path / "ffi_cpu.o"
-    cmd = [CROSS, "-std=c++20", "-O2", "-march=armv8-a", "-fPIC", "-fopenmp",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{_loader.kernels_dir()}",
-           "-c", str(_loader.kernels_dir() / "ffi_cpu.cpp"), "-o", str(obj)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-5000:]
-    data = obj.read_bytes()
+    objs = {}
+    for source in _loader._SOURCES["cpu"]:  # the FFI kernels and the NF4 dequantize kernel
+        obj = objs[source] = tmp_path / Path(source).with_suffix(".o").name
+        cmd = [CROSS, "-std=c++20", "-O2", "-march=armv8-a", "-fPIC", "-fopenmp",
+               *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{_loader.kernels_dir()}",
+               "-c", str(_loader.kernels_dir() / source), "-o", str(obj)]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert r.returncode == 0, r.stderr[-5000:]
+        head = obj.read_bytes()[:20]
+        assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183
+    data = objs["ffi_cpu.cpp"].read_bytes()
     assert data[:4] == b"\x7fELF" and int.from_bytes(data[18:20], "little") == 183  # EM_AARCH64
     assert b"\x00neon\x00" in data

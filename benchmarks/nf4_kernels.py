@@ -1,0 +1,117 @@
+"""Time squash's NF4 dequantization against torchao's, side by side in one process.
+
+For each weight shape (with torchao's blocks, or the largest scaler block that divides):
+``NF4Tensor.get_original_weight()`` against ``squash.ops.nf4_dequantize`` (equal bit for bit,
+checked here too), and the base linear of an adapted layer, forward and input gradient, through
+torchao's ``linear_nf4`` against ``squash.ops.nf4_linear``, with the dense ``F.linear`` on the
+unquantized weight for scale. Calls run in interleaved rounds after a warm-up (load from
+elsewhere hits all alike); each entry is the median, with the range over rounds. Prints a
+markdown table: milliseconds and the ratio torchao / squash (> 1: squash faster); on a GPU also
+the dequantization's GB/s (bytes read + written).
+
+    python benchmarks/nf4_kernels.py                   # SmolLM2 and OPT-350M shapes, fp32
+    python benchmarks/nf4_kernels.py --dtype bf16 --tokens 1024
+    python benchmarks/nf4_kernels.py --device cuda --dtype bf16
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ffi_kernels import machine_line  # noqa: E402
+from profile_step import _nf4_blocks  # noqa: E402
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1024, 1024), (4096, 1024)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench(shape, dtype, device, tokens, rounds):
+    from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+
+    from squash.ops import nf4_dequantize, nf4_linear
+
+    w = (torch.randn(shape) * 0.02).to(dtype=dtype, device=device)
+    q = to_nf4(w, *_nf4_blocks(w.numel()))
+    same = torch.equal(q.get_original_weight(), nf4_dequantize(q))
+    x = torch.randn(tokens, shape[1], dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(tokens, shape[0], dtype=dtype, device=device)
+
+    def step(fn, weight):
+        def run():
+            y = fn(x, weight)
+            (gx,) = torch.autograd.grad(y, x, g)
+            return gx
+
+        return run
+
+    calls = {
+        "dequant torchao": q.get_original_weight,
+        "dequant squash": lambda: nf4_dequantize(q),
+        "linear torchao": step(lambda x, w: linear_nf4(input=x, weight=w), q),
+        "linear squash": step(nf4_linear, q),
+        "linear dense": step(F.linear, w),
+    }
+    samples = {k: [] for k in calls}
+    for r in range(rounds + 1):
+        for k, fn in calls.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r:  # round 0: warm-up
+                samples[k].append((time.perf_counter() - t0) * 1e3)
+    return same, samples
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--tokens", type=int, default=1024, help="rows of x in the linear rows")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    from squash.ops import ensure_loaded, status
+
+    ensure_loaded("cpu" if args.device == "cpu" else "cuda")
+    st = status()["cpu" if args.device == "cpu" else "cuda"]
+    print(f"# NF4: squash vs torchao ({args.device}, {args.tokens} tokens in the linear rows)")
+    print(f"# {machine_line(args.device, dtype)}; squash kernels: {st.get('backend')} "
+          f"{st.get('isa', st.get('arch', ''))}")  # fmt: skip
+    print("\n| shape | blocks | bitwise equal | dequant torchao ms | dequant squash ms | x | "
+          "linear fwd+grad_x torchao ms | squash ms | x | dense ms | squash / dense |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for shape in SHAPES:
+        same, s = bench(shape, dtype, args.device, args.tokens, args.rounds)
+        med = {k: statistics.median(v) for k, v in s.items()}
+
+        def rng(k):
+            return f"{med[k]:.2f} [{min(s[k]):.2f}-{max(s[k]):.2f}]"
+
+        blocks = "x".join(map(str, _nf4_blocks(shape[0] * shape[1])))
+        line = (f"| {shape[0]}x{shape[1]} | {blocks} | {same} | {rng('dequant torchao')} | "
+                f"{rng('dequant squash')} | {med['dequant torchao'] / med['dequant squash']:.1f} | "
+                f"{rng('linear torchao')} | {rng('linear squash')} | "
+                f"{med['linear torchao'] / med['linear squash']:.2f} | {rng('linear dense')} | "
+                f"{med['linear squash'] / med['linear dense']:.2f} |")  # fmt: skip
+        if args.device.startswith("cuda"):
+            n = shape[0] * shape[1]
+            gbs = (n / 2 + n * torch.finfo(dtype).bits / 8) / (med["dequant squash"] / 1e3) / 1e9
+            line += f" {gbs:.0f} GB/s |"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""benchmarks/profile_step.py: its FLOP count against a hand computation, from explicit shapes and
+from a built model, and its classification of one profiled step (a dense base has no NF4 time, a
+quantized one does, through squash's kernel)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import profile_step  # noqa: E402
+
+
+def test_step_flops_by_hand():
+    got = profile_step.step_flops(
+        tokens=10, base=[(4, 6)], adapters=[(4, 2, 0.5), (2, 6, 1.0)], head=[(6, 20)],
+        attention=[(2, 5, 3, 2)],
+    )  # fmt: skip
+    # base: forward + input gradient, 2 x 2 x 10 x 4 x 6
+    assert got["base matmul"] == 960
+    # adapters: forward, input and weight gradient: 3 x 2 x 10 x (4 x 2 x 0.5 + 2 x 6)
+    assert got["adapter ops"] == 240 + 720
+    assert got["output head"] == 2 * 2 * 10 * 6 * 20
+    # Q K^T and P V forward (2 products), 4 backward: 6 x 2 x batch 2 x 5 x 5 x 3 heads x 2
+    assert got["attention"] == 3600
+    assert got["total"] == 960 + 960 + 4800 + 3600
+
+
+def test_model_flops_of_a_built_smollm2_layer_by_hand():
+    args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", "--adapter", "lora",
+                                    "--rank", "2", "--batch", "2", "--seq-len", "3"])  # fmt: skip
+    model, head_dim, rank = profile_step.build(args)
+    assert (head_dim, rank) == (64, 2)
+    got = profile_step.model_flops(model, 2, 3, head_dim)
+    t, d, kv, f, v = 6, 576, 192, 1536, 49_152
+    linears = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
+    assert got["base matmul"] == sum(4 * t * i * o for i, o in linears)
+    assert got["adapter ops"] == sum(6 * t * (i * 2 + 2 * o) for i, o in linears)
+    assert got["output head"] == 4 * t * d * v  # tied embeddings
+    assert got["attention"] == 12 * 2 * 3 * 3 * 9 * 64
+
+
+def test_squash_adapter_density_counts_in_flops():
+    args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", "--adapter", "squash",
+                                    "--rank", "16", "--sparse-factor", "both"])  # fmt: skip
+    model, head_dim, rank = profile_step.build(args)
+    got = profile_step.model_flops(model, 1, 1, head_dim)
+    from squash.sparsity.ffi import fan_in_for
+
+    d, kv, f = 576, 192, 1536
+    linears = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
+    want = sum(6 * (rank * fan_in_for(i, 0.9) + o * fan_in_for(rank, 0.9)) for i, o in linears)
+    assert got["adapter ops"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("adapter, nf4", [("lora", False), ("squash", True), ("qlora", True)])
+def test_profiled_step_puts_nf4_time_where_it_is(adapter, nf4):
+    args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", "--adapter", adapter,
+                                    "--batch", "1", "--seq-len", "16", "--steps", "1",
+                                    "--warmup", "0"])  # fmt: skip
+    res = profile_step.profile(args)
+    assert (res["ms"]["NF4 dequantize"] > 0) == nf4
+    if adapter == "squash":  # squash's kernel; torchtune's QLoRA: torchao's operators
+        assert "squash::nf4_dequantize" in res["top"]["NF4 dequantize"]
+    if adapter == "qlora":
+        assert "aten::index" in res["top"]["NF4 dequantize"]
+        assert not set(res["top"]["NF4 dequantize"]) & profile_step.MATMUL_OPS
+    for kind in ("base matmul", "attention", "output head", "loss", "optimizer"):
+        assert res["ms"][kind] > 0, kind
+    assert "squash::ffi_linear" in res["top"]["adapter ops"] or adapter != "squash"
+    # every backward FFI op is attributed to the adapters, none left unattributed
+    assert not any(n.startswith("squash::") for n in res["top"].get("other", {}))
