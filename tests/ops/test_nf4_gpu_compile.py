@@ -1,7 +1,7 @@
 """The NF4 GPU source (kernels/nf4_cuda.cu, nf4_cuda_kernels.cuh) compiles without a GPU: nvcc
 device code for sm_80 and sm_90 and the torch glue, Debian's hipcc for the hipified device code
 (gfx1100), as test_gpu_compile.py checks the FFI kernels. The arithmetic is checked bit for bit on
-the CPU (test_nf4.py) and, where a GPU is present, by test_nf4_gpu in this file."""
+the CPU (test_nf4_kernels.py) and, where a GPU is present, by test_nf4_gpu in this file."""
 
 import re
 import sysconfig
