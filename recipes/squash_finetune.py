@@ -16,6 +16,7 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.export import export_checkpoint, parse_export_config
 from squash.training import checkpoint as ckpt
 from squash.training import recipe as rcp
 from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
@@ -23,7 +24,7 @@ from squash.training.config_checks import ConfigKeyError, check_component, check
 log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = rcp.TRAINING_KEYS
+CONFIG_KEYS = rcp.TRAINING_KEYS | {"export"}  # export: {gguf: [f16, q8_0]}
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -86,6 +87,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._resume = bool(cfg.get("resume_from_checkpoint", False))
         self._adapter_only = bool(cfg.get("save_adapter_weights_only", False))
+        self._export = parse_export_config(cfg.get("export", None))
+        if self._export and self._adapter_only:
+            raise ConfigKeyError("export needs the merged weights: save_adapter_weights_only: False")
         self._act_ckpt = bool(cfg.get("enable_activation_checkpointing", False))
         self._act_offload = bool(cfg.get("enable_activation_offloading", False))
         if self._act_offload and (self._device.type != "cuda" or not self._act_ckpt):
@@ -213,6 +217,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._last_checkpoint = path
         log.info(f"Saved checkpoint {path}")
+        if name is None and self._export:  # GGUF files of each epoch, in output_dir/gguf
+            for f in export_checkpoint(path, self._export):
+                log.info(f"Exported {f}")
         return path
 
     # ---- training -------------------------------------------------------------------------------
