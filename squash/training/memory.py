@@ -4,7 +4,9 @@ Counted per adapter: the trainable parameters, their gradients (same dtype), the
 the FFI index buffers. PyTorch's ``AdamW`` keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter's
 dtype (bf16 params, bf16 moments; ``moment_dtype`` overrides it for optimizers that keep fp32
 moments), plus ``max_exp_avg_sq`` with ``amsgrad``, plus a float32 scalar ``step`` per parameter
-tensor. The frozen base (NF4 or dense), activations and the allocator's slack are not counted.
+tensor. The frozen base (NF4 or dense) is counted apart, by :func:`base_memory` (an NF4 weight at
+its real size: packed 4-bit codes, int8 block scalers, per-scaler-block factors, whatever block
+sizes it was quantized with); activations and the allocator's slack are not counted.
 
 ``mask_update_bytes`` is the extra, transient memory of a mask-update step: the dense-gradient
 probe of every FFI factor and its gradient, ``2 * out * in`` elements in the parameter dtype
@@ -24,6 +26,7 @@ from torchtune.modules.peft import get_adapter_params
 
 from squash._checks import SPARSE_FACTORS, check_choice, check_int, check_sparsity
 from squash.modules import FFILinear, get_adapter_buffers
+from squash.modules._nf4 import NF4Tensor, nf4_bytes
 from squash.sparsity.ffi import fan_in_for, index_dtype
 
 STEP_BYTES = 4  # AdamW's float32 scalar ``step`` per parameter tensor
@@ -267,3 +270,30 @@ def _check_optimizer_args(moment_dtype: Optional[torch.dtype], amsgrad: bool) ->
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def base_memory(model: nn.Module) -> int:
+    """Bytes of a model's frozen part: every parameter and buffer that is not an adapter's.
+
+    An NF4 weight counts the bytes it holds (:func:`squash.modules._nf4.nf4_bytes`: for a
+    ``(576, 576)`` float32 weight with block sizes (64, 216), 165888 bytes of codes + 5184 int8
+    scalers + 24 float32 factors + the mean + the 16-entry code book), a dense tensor
+    ``numel * element_size``; a tensor that two modules share (tied embeddings) counts once.
+
+    Args:
+        model (nn.Module): the model.
+
+    Returns:
+        int: the bytes.
+    """
+    adapter = {id(t) for t in get_adapter_params(model).values()}
+    adapter |= {id(t) for t in get_adapter_buffers(model).values()}
+    seen, total = set(), 0
+    named = [*model.named_parameters(remove_duplicate=False)]
+    named += [*model.named_buffers(remove_duplicate=False)]
+    for _, t in named:
+        if id(t) in adapter or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += nf4_bytes(t) if isinstance(t, NF4Tensor) else t.numel() * t.element_size()
+    return total
