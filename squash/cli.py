@@ -25,6 +25,7 @@ RECIPES: Dict[str, List[str]] = {
     ],
     "squash_distill": ["opt_tiny_distill", "opt350m_distill"],
     "squash_eval": ["opt_tiny_eval", "opt350m_eval"],
+    "squash_eleuther_eval": ["smollm2_eleuther_eval"],
 }
 
 
