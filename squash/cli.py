@@ -142,7 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     dl = sub.add_parser(
         "download",
         help="download a model as a Hugging Face checkpoint directory",
-        description=f"Download a model as a Hugging Face checkpoint directory.\n\nmodels:\n{models}",
+        description=f"Download a model as a Hugging Face checkpoint directory.\n\n"
+        f"models:\n{models}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     dl.add_argument("model", choices=sorted(DOWNLOADS), help="the model to download")

@@ -16,7 +16,6 @@ clone keep them.
 from typing import Optional, Tuple
 
 import torch
-from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 
 try:
     from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
@@ -27,12 +26,8 @@ except ImportError:
         to_nf4,
     )
 
-try:
-    from torchao.dtypes.nf4tensor import implements as _nf4_implements
-except ImportError:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # type: ignore
-        implements as _nf4_implements,
-    )
+# clone keeps the block sizes (this module replaces torchtune's override of it)
+from squash.modules import _register_nf4_ops  # noqa: E402,F401
 
 __all__ = [
     "NF4Tensor",
@@ -151,21 +146,6 @@ def nf4_bytes(weight: NF4Tensor) -> int:
     factors, the scaler mean and the 16-entry code book (each at its own dtype)."""
     names = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
     return sum(getattr(weight, n).numel() * getattr(weight, n).element_size() for n in names)
-
-
-@_nf4_implements([torch.ops.aten.clone.default])
-def _clone(func, *args, **kwargs):
-    """Clone an NF4 tensor with its own block sizes.
-
-    Replaces torchtune's override (``_register_nf4_dispatch_ops``, imported above so that this one
-    is registered last), which re-quantizes the dequantized weight with torchao's default block
-    sizes and so fails on, or silently changes, a weight quantized with other sizes. This clones
-    the quantized parts themselves: the copy dequantizes to exactly the original's values.
-    """
-    original = args[0][0]
-    names, ctx = original.__tensor_flatten__()
-    inner = {n: getattr(original, n).clone() for n in names}
-    return NF4Tensor.__tensor_unflatten__(inner, ctx, original.shape, original.stride())
 
 
 @torch.no_grad()

