@@ -87,7 +87,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._resume = bool(cfg.get("resume_from_checkpoint", False))
         self._adapter_only = bool(cfg.get("save_adapter_weights_only", False))
-        self._export = parse_export_config(cfg.get("export", None))
+        self._export = parse_export_config(
+            cfg.get("export", None), cfg.get("checkpointer", {}).get("checkpoint_dir", None)
+        )
         if self._export and self._adapter_only:
             raise ConfigKeyError("export needs the merged weights: save_adapter_weights_only: False")
         self._act_ckpt = bool(cfg.get("enable_activation_checkpointing", False))
@@ -217,7 +219,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._last_checkpoint = path
         log.info(f"Saved checkpoint {path}")
-        if name is None and self._export:  # GGUF files of each epoch, in output_dir/gguf
+        if name.startswith("epoch_") and self._export:  # GGUF files of each epoch, in output_dir/gguf
             for f in export_checkpoint(path, self._export):
                 log.info(f"Exported {f}")
         return path

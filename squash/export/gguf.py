@@ -426,13 +426,26 @@ def export_gguf(checkpoint_dir: Path, dtype: str, output: Path) -> Path:
     return output
 
 
-def parse_export_config(block: Any) -> Dict[str, List[str]]:
+def parse_export_config(block: Any, source_dir: Optional[Path] = None) -> Dict[str, List[str]]:
     """A recipe's ``export`` config block (``{gguf: [f16, q8_0]}``, a single dtype string, or
-    None) as ``{"gguf": [dtypes]}``, checked before training starts.
+    None) as ``{"gguf": [dtypes]}``, checked before training starts; with ``source_dir`` (the
+    base checkpoint's directory) also that its model family can be exported.
 
     Raises:
         ValueError: an unknown format or dtype, naming the ``export`` key.
+        UnsupportedModelError: a family GGUF export does not support, naming the ``export`` key.
     """
+    out = _parse_export_block(block)
+    config = Path(source_dir) / "config.json" if source_dir is not None else None
+    if out and config is not None and config.is_file():
+        try:
+            _hparams(_read_json(config))
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"export: {e}") from e
+    return out
+
+
+def _parse_export_block(block: Any) -> Dict[str, List[str]]:
     if block is None:
         return {}
     if not isinstance(block, Mapping):
