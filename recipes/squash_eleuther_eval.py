@@ -53,12 +53,14 @@ def _stand_in(hf_dir: Path):
     and special ids lm-eval reads), and the checkpoint's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    for name in ("config.json", "tokenizer.json"):
-        if not (hf_dir / name).is_file():
-            raise FileNotFoundError(f"checkpointer.checkpoint_dir: no {name} in {hf_dir}")
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"checkpointer.checkpoint_dir: no config.json in {hf_dir}")
+    if not any((hf_dir / name).is_file() for name in ("tokenizer.json", "vocab.json")):
+        raise FileNotFoundError(f"checkpointer.checkpoint_dir: no tokenizer.json or vocab.json in {hf_dir}")
     cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     for key, value in (("num_hidden_layers", 1), ("hidden_size", 8), ("intermediate_size", 8),
-                       ("num_attention_heads", 1), ("num_key_value_heads", 1), ("head_dim", 8)):
+                       ("num_attention_heads", 1), ("num_key_value_heads", 1), ("head_dim", 8),
+                       ("ffn_dim", 8), ("word_embed_proj_dim", 8)):
         if hasattr(cfg, key):
             setattr(cfg, key, value)
     model = AutoModelForCausalLM.from_config(cfg)

@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-# recipe module -> the configs that run it (names without .yaml). configs/opt350m_eleuther_eval
-# is for torchtune's own eleuther_eval recipe (`tune run eleuther_eval`), so it is listed alone.
+# recipe module -> the configs that run it (names without .yaml).
 RECIPES: Dict[str, List[str]] = {
     "squash_finetune": ["opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b"],
     "squash_finetune_distributed": [
@@ -25,7 +24,7 @@ RECIPES: Dict[str, List[str]] = {
     ],
     "squash_distill": ["opt_tiny_distill", "opt350m_distill"],
     "squash_eval": ["opt_tiny_eval", "opt350m_eval"],
-    "squash_eleuther_eval": ["smollm2_eleuther_eval"],
+    "squash_eleuther_eval": ["smollm2_eleuther_eval", "opt350m_eleuther_eval"],
 }
 
 
