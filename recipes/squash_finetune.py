@@ -16,6 +16,7 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.export import export_checkpoint, parse_export_config
 from squash.training import checkpoint as ckpt
 from squash.training import data, exports, resume, steps
 from squash.training.config_checks import (
@@ -31,7 +32,7 @@ from squash.training.model_setup import setup_adapter_model, svd_init_factors
 log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = FINETUNE_CONFIG_KEYS
+CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {"export"}  # export: {gguf: [f16, q8_0]}
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -94,6 +95,11 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._resume = bool(cfg.get("resume_from_checkpoint", False))
         self._adapter_only = bool(cfg.get("save_adapter_weights_only", False))
+        self._export = parse_export_config(
+            cfg.get("export", None), cfg.get("checkpointer", {}).get("checkpoint_dir", None)
+        )
+        if self._export and self._adapter_only:
+            raise ConfigKeyError("export needs the merged weights: save_adapter_weights_only: False")
         self._act_ckpt = bool(cfg.get("enable_activation_checkpointing", False))
         self._act_offload = bool(cfg.get("enable_activation_offloading", False))
         if self._act_offload and (self._device.type != "cuda" or not self._act_ckpt):
@@ -231,6 +237,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         self._last_checkpoint = path
         log.info(f"Saved checkpoint {path}")
+        if name.startswith("epoch_") and self._export:  # GGUF files of each epoch, in output_dir/gguf
+            for f in export_checkpoint(path, self._export):
+                log.info(f"Exported {f}")
         return path
 
     # ---- training -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The ``squash`` command: ``squash ls`` and ``squash cp``, as torchtune's ``tune ls``/``tune cp``
-are for torchtune's own recipes and configs, and ``squash download`` for the models squash can
-get without a model hub.
+are for torchtune's own recipes and configs; ``squash download`` for the models squash can get
+without a model hub; ``squash export`` (GGUF) and ``squash chat``.
 
 Recipes are installed as top-level modules (``squash_finetune``), so ``tune run squash_finetune``
 finds them from any directory; configs ship inside the package (``squash._configs``). torchtune's
@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-# recipe module -> the configs that run it (names without .yaml). configs/opt350m_eleuther_eval
-# is for torchtune's own eleuther_eval recipe (`tune run eleuther_eval`), so it is listed alone.
+# recipe module -> the configs that run it (names without .yaml).
 RECIPES: Dict[str, List[str]] = {
     "squash_finetune": ["opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b"],
     "squash_finetune_distributed": [
@@ -25,6 +24,7 @@ RECIPES: Dict[str, List[str]] = {
     ],
     "squash_distill": ["opt_tiny_distill", "opt350m_distill"],
     "squash_eval": ["opt_tiny_eval", "opt350m_eval"],
+    "squash_eleuther_eval": ["smollm2_eleuther_eval", "opt350m_eleuther_eval"],
 }
 
 
@@ -129,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``squash`` console script."""
     parser = argparse.ArgumentParser(
         prog="squash",
-        description="List and copy squash's recipes and configs; download models.",
+        description="List and copy squash's recipes and configs; download models; export and chat.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ls", help="list recipes and their configs")
@@ -152,12 +152,45 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--dtype", choices=["float32", "bfloat16"], default="float32",
         help="dtype of the written weights (default: float32)",
     )
+    export = sub.add_parser("export", help="write a checkpoint's merged weights as GGUF")
+    export.add_argument("checkpoint_dir", help="a checkpoint directory (epoch_N, step_N)")
+    export.add_argument("--format", default="gguf", choices=["gguf"], help="export format")
+    export.add_argument("--dtype", default="f16", choices=["f16", "q8_0"], help="weight type")
+    export.add_argument("--output-dir", required=True, help="directory for <checkpoint>-<dtype>.gguf")
+    chat = sub.add_parser("chat", help="chat with a checkpoint (merged weights or base + adapter)")
+    chat.add_argument("--checkpoint", required=True, help="a checkpoint directory (epoch_N)")
+    chat.add_argument("--base", default=None, help="base HF checkpoint dir for an adapter-only one")
+    chat.add_argument("--prompt", default=None, help="one prompt (default: read lines from stdin)")
+    chat.add_argument("--system", default=None, help="system message (default: the template's)")
+    chat.add_argument("--max-new-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    chat.add_argument("--top-k", type=int, default=None)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.command == "ls":
         return _ls()
     if args.command == "download":
         return _download(args)
+    if args.command == "export":
+        return _export(args.checkpoint_dir, args.dtype, args.output_dir)
+    if args.command == "chat":
+        from squash.chat import main as chat_main
+
+        return chat_main(args)
     return _cp(args.name, args.destination, args.force)
+
+
+def _export(checkpoint_dir: str, dtype: str, output_dir: str) -> int:
+    from squash.export import export_checkpoint
+
+    try:
+        (path,) = export_checkpoint(Path(checkpoint_dir), {"gguf": [dtype]}, Path(output_dir))
+    except (OSError, ValueError) as e:  # UnsupportedModelError is a ValueError
+        print(f"squash export: {e}", file=sys.stderr)
+        return 1
+    print(f"Wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ def test_a_regular_install_ships_the_recipe_module_and_the_configs(tmp_path):
     (wheel,) = tmp_path.glob("squash-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"squash_finetune.py", "squash_finetune_distributed.py"} <= names
+    assert {"squash_eleuther_eval.py", "squash/export/gguf.py", "squash/chat.py",
+            "squash/eval_tasks/squash_facts.yaml", "squash/eval_tasks/squash_facts.jsonl",
+            "squash/eval_tasks/utils.py"} <= names  # fmt: skip
     assert not any(n.startswith(("recipes/", "configs/")) for n in names)
     configs = {f"squash/_configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     assert configs and configs <= names

@@ -1,0 +1,59 @@
+"""The recipe's ``export`` block: checked before training, and run on each finished epoch."""
+
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.recipes.conftest import REPO, TINY_CONFIG
+
+sys.path.insert(0, str(REPO / "recipes"))
+import squash_finetune  # noqa: E402
+
+from squash.export import UnsupportedModelError, parse_export_config  # noqa: E402
+from squash.training import checkpoint as ckpt  # noqa: E402
+from squash.training.config_checks import ConfigKeyError  # noqa: E402
+
+
+def _cfg(tmp_path, **changes):
+    cfg = OmegaConf.load(TINY_CONFIG)
+    cfg.output_dir = str(tmp_path / "out")
+    cfg.checkpointer.checkpoint_dir = str(REPO / "assets" / "tiny_opt")
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def test_bad_export_blocks_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"export.gguf: unknown dtype\(s\) \['q4'\]"):
+        squash_finetune.SquashFinetuneRecipeSingleDevice(_cfg(tmp_path, export={"gguf": ["q4"]}))
+    # the tiny config's model is OPT: refused at start, not after training
+    with pytest.raises(UnsupportedModelError, match="export: .*OPTForCausalLM"):
+        squash_finetune.SquashFinetuneRecipeSingleDevice(_cfg(tmp_path, export={"gguf": ["f16"]}))
+
+
+def test_each_epoch_checkpoint_is_exported_once_complete(tmp_path, monkeypatch):
+    calls = []
+
+    def record(path, formats):
+        calls.append((path.name, (path / ckpt.CHECKPOINT_META_FILE).is_file(), formats))
+        return []
+
+    # OPT cannot be exported: check the wiring with the family check and the writer replaced
+    monkeypatch.setattr(squash_finetune, "parse_export_config", lambda b, _=None: parse_export_config(b))
+    monkeypatch.setattr(squash_finetune, "export_checkpoint", record)
+    with pytest.raises(ConfigKeyError, match="export needs the merged weights"):
+        squash_finetune.SquashFinetuneRecipeSingleDevice(
+            _cfg(tmp_path, export={"gguf": ["f16"]}, save_adapter_weights_only=True)
+        )
+    cfg = _cfg(tmp_path, export={"gguf": ["f16", "q8_0"]}, epochs=2, max_steps_per_epoch=1,
+               batch_size=2, save_every_n_steps=1)  # fmt: skip
+    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
+    recipe.setup(cfg)
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    # step_N checkpoints are not exported; each epoch_N is, after it is complete
+    assert calls == [("epoch_0", True, {"gguf": ["f16", "q8_0"]}),
+                     ("epoch_1", True, {"gguf": ["f16", "q8_0"]})]  # fmt: skip
