@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from squash.chat import load_adapter, load_merged, main as chat_main
 from squash.cli import main as cli_main
 from squash.training import checkpoint as ckpt
+from squash.training.exports import squash_adapter
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -96,7 +97,7 @@ def _adapter_checkpoint(tmp_path: Path, cfg=MODEL_CFG) -> Path:
     out.mkdir()
     from safetensors.torch import save_file
 
-    save_file(ckpt.squash_adapter_state_dict(model), out / ckpt.SQUASH_ADAPTER_FILE)
+    save_file(squash_adapter(model.state_dict()), out / ckpt.SQUASH_ADAPTER_FILE)
     (out / ckpt.SQUASH_ADAPTER_CONFIG_FILE).write_text(json.dumps({"model": cfg}))
     return out
 
