@@ -26,3 +26,43 @@ def clone(func, *args, **kwargs):
     names, ctx = original.__tensor_flatten__()
     inner = {n: getattr(original, n).clone() for n in names}
     return NF4Tensor.__tensor_unflatten__(inner, ctx, original.shape, original.stride())
+
+
+_TORCHAO_NEAREST = NF4Tensor.quantize_tensor_nearest
+
+
+def quantize_tensor_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """torchao's ``NF4Tensor.quantize_tensor_nearest`` (the index of the nearest of the 16 NF4
+    levels, the first on a tie), without its ``(numel, 16)`` distance table.
+
+    The levels are sorted and ``|x - level|`` rounds monotonically in the level, so the nearest
+    level is one of the two that bracket ``x``: ``bucketize`` on the midpoints finds one, and the
+    same float32 distances torchao compares decide between it and its neighbours (the lower
+    index on a tie, as torchao's ``min``). NaN or inf (an all-zero block scaled 0/0, an inf weight) gets
+    torchao's own answer. Called by ``to_nf4`` and by NF4's ``copy_``, which re-quantizes a loaded weight; the
+    result equals torchao's exactly (tests/modules/test_nf4_quantize.py).
+
+    Args:
+        value (torch.Tensor): ``(numel,)`` values scaled by their block's absmax.
+        nf4 (torch.Tensor): ``(16,)`` the NF4 levels, ascending, of ``value``'s dtype.
+
+    Returns:
+        torch.Tensor: ``(numel,)`` int64 indices into ``nf4``.
+    """
+    mid = (nf4[1:] + nf4[:-1]) / 2
+    i = torch.bucketize(value, mid)  # mid[i-1] < value <= mid[i]
+    lower = (i - 1).clamp(min=0)
+    upper = (i + 1).clamp(max=nf4.numel() - 1)
+    d_i = (value - nf4[i]).abs()
+    d_lower = (value - nf4[lower]).abs()
+    d_upper = (value - nf4[upper]).abs()
+    best = torch.where(d_upper < d_i, upper, i)
+    d_best = torch.minimum(d_upper, d_i)
+    best = torch.where(d_lower <= d_best, lower, best)
+    odd = ~torch.isfinite(value)
+    if bool(odd.any()):
+        best[odd] = _TORCHAO_NEAREST(value[odd], nf4)
+    return best
+
+
+NF4Tensor.quantize_tensor_nearest = staticmethod(quantize_tensor_nearest)
