@@ -19,6 +19,7 @@ from tqdm import tqdm
 from squash.training import checkpoint as ckpt
 from squash.training import recipe as rcp
 from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
+from squash.training.heldout import setup_heldout
 
 log = utils.get_logger("INFO")
 
@@ -176,6 +177,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         # Restored in train(), where the run that wrote the checkpoint was when it saved it.
         self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
+        self._heldout = setup_heldout(
+            cfg.get("heldout", None), self._tokenizer,
+            device=self._device, ignore_index=self._loss_fn.ignore_index,
+        )  # fmt: skip
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         self.max_steps_per_epoch = rcp.resumed_max_steps(state, self.max_steps_per_epoch)
@@ -228,7 +233,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         return self._loss_fn(logits, labels)
 
     def train(self) -> None:
-        """The training loop; step and epoch checkpoints as configured."""
+        """The training loop; step and epoch checkpoints as configured; with a ``heldout``
+        block, the held-out loss and answer before the first step and after the last."""
+        if self._heldout is not None:
+            self._heldout.report(self._model)
         t0 = time.perf_counter()
         running_loss, num_tokens, micro = 0.0, 0, 0
         with self._profiler as prof:
@@ -311,6 +319,8 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._steps_in_epoch = 0
                 micro, running_loss, num_tokens = 0, 0.0, 0
                 self.save_checkpoint(curr_epoch)
+        if self._heldout is not None:
+            self._heldout.report(self._model)
 
     def cleanup(self) -> None:
         """Close the metric logger."""
