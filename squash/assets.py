@@ -41,4 +41,6 @@ def asset_dir(name: str) -> str:
 def register_resolvers() -> None:
     """Register ``${squash_asset:NAME}`` with OmegaConf (once; later calls do nothing)."""
     if not OmegaConf.has_resolver(RESOLVER):
-        OmegaConf.register_new_resolver(RESOLVER, asset_dir)
+        # OmegaConf 2.4 renamed register_new_resolver (deprecated there) to register_resolver
+        register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+        register(RESOLVER, asset_dir)
