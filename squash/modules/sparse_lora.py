@@ -12,11 +12,16 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 from torchtune.modules.peft import AdapterModule
 
 from squash._checks import INITS, check_choice, check_int, check_real, check_sparsity
-from squash.modules._nf4 import NF4Tensor, check_nf4_shape, linear_nf4, to_nf4
+from squash.modules._nf4 import (
+    NF4Tensor,
+    check_nf4_shape,
+    linear_nf4,
+    nf4_block_sizes,
+    quantize_nf4,
+)
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
@@ -86,7 +91,9 @@ class SparseLoRALinear(nn.Module, AdapterModule):
         device (Optional[torch.device]): where the module lives.
         generator (Optional[torch.Generator]): CPU generator for FFI patterns and FFI values.
         **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
-            with ``quantize_base``.
+            with ``quantize_base``. Without them the sizes are chosen for the weight's shape
+            (:func:`~squash.modules._nf4.nf4_block_sizes`: torchao's defaults where they divide
+            it), and the NF4 weight records them.
 
         weight (Optional[nn.Parameter]): an existing base weight ``(out_dim, in_dim)`` to use
             (the very same parameter, dense or NF4) instead of drawing one; a dense one is
@@ -98,7 +105,8 @@ class SparseLoRALinear(nn.Module, AdapterModule):
         ValueError: naming a bad argument (sizes, ``rank``, ``alpha``, ``sparsity``,
             ``sparse_factor``, ``init``, ``dropout``), quantization arguments without
             ``quantize_base``, a given base of the wrong shape or kind, or an NF4 base whose
-            size torchao's block sizes do not divide (naming the shape and the block sizes).
+            size no block size divides, or the given block sizes do not divide (naming the shape
+            and the block sizes).
     """
 
     def __init__(
@@ -161,17 +169,21 @@ class SparseLoRALinear(nn.Module, AdapterModule):
             self.initialize_from_pretrained(self.weight)
         if quantize_base and not isinstance(self.weight, NF4Tensor):
             self.weight = nn.Parameter(
-                to_nf4(self.weight.detach(), **quantization_kwargs), requires_grad=False
+                quantize_nf4(self.weight.detach(), self._name(), **quantization_kwargs),
+                requires_grad=False,
             )
+
+    def _name(self) -> str:
+        return f"SparseLoRALinear(in_dim={self.in_dim}, out_dim={self.out_dim})"
 
     def _base(self, weight, bias, dtype, device, quantization_kwargs) -> tuple:
         """The base ``(weight, bias)`` parameters: the given ones, checked, or freshly drawn."""
         if self._quantize_base and not isinstance(weight, NF4Tensor):
-            check_nf4_shape(
-                f"SparseLoRALinear(in_dim={self.in_dim}, out_dim={self.out_dim})",
-                (self.out_dim, self.in_dim),
-                **{k: v for k, v in quantization_kwargs.items() if v},
-            )
+            given = {k: v for k, v in quantization_kwargs.items() if v}
+            if given:  # name the shape before torchao fails on it with a bare assertion
+                check_nf4_shape(self._name(), (self.out_dim, self.in_dim), **given)
+            else:
+                nf4_block_sizes(self._name(), (self.out_dim, self.in_dim))
         if weight is None:
             if bias is not None:
                 raise ValueError("bias was given without weight: give both or neither")

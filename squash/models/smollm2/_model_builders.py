@@ -1,0 +1,145 @@
+"""SmolLM2-135M(-Instruct) on torchtune's own Llama 3.2 component builders.
+
+SmolLM2 is a Llama: hidden 576, 30 layers, 9 query heads and 3 key/value heads of 64, SwiGLU MLP
+of 1536, vocabulary 49152, RMSNorm eps 1e-5, RoPE base 100000 without Llama 3's frequency scaling
+(``scale_factor=1`` makes torchtune's ``Llama3ScaledRoPE`` plain RoPE), and the output projection
+tied to the token embeddings (torchtune's ``TiedLinear``). torchtune's ``llama3_2`` and
+``lora_llama3_2`` component builders take exactly these sizes, so the models here are those
+builders with SmolLM2's numbers, not a copy of them.
+
+QLoRA: torchtune's ``quantize_base=True`` quantizes with torchao's default NF4 block sizes, which
+refuse the 576x576 and 192x576 projections; ``qlora_smollm2_135m`` builds the LoRA model
+unquantized and quantizes each base with block sizes chosen for its shape
+(:func:`squash.modules._nf4.quantize_base_`).
+"""
+
+from functools import partial
+from typing import List
+
+from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
+from torchtune.modules import TransformerDecoder
+from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
+from torchtune.modules.peft import LORA_ATTN_MODULES
+
+from squash.models._squash_builders import squash_model
+from squash.modules._nf4 import quantize_base_
+
+# SmolLM2-135M's sizes, as in its config.json (and the GGUF's metadata).
+SMOLLM2_135M = dict(
+    vocab_size=49_152,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    embed_dim=576,
+    max_seq_len=8192,
+    intermediate_dim=1536,
+    rope_base=100_000,
+    norm_eps=1e-5,
+    scale_factor=1,  # plain RoPE: SmolLM2 has no Llama 3 frequency scaling
+    tie_word_embeddings=True,
+)
+
+# Every linear SmolLM2's decoder layers have: what `lora_attn_modules=ALL_ATTN_MODULES` plus
+# `apply_lora_to_mlp=True` adapt (q, k, v, output; w1, w2, w3).
+ALL_ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "output_proj"]
+
+
+def smollm2_135m() -> TransformerDecoder:
+    """SmolLM2-135M (base or instruct: same architecture) as torchtune's ``llama3_2`` decoder.
+
+    Returns:
+        TransformerDecoder: the model, tied embeddings, ``max_seq_len`` 8192.
+    """
+    return llama3_2(**SMOLLM2_135M)
+
+
+def lora_smollm2_135m(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    """SmolLM2-135M with torchtune's LoRA adapters (``lora_llama3_2``).
+
+    Args:
+        lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections to adapt, from
+            ``{"q_proj", "k_proj", "v_proj", "output_proj"}``.
+        apply_lora_to_mlp (bool): adapt the MLP's ``w1``, ``w2``, ``w3`` too. Default: False
+        apply_lora_to_output (bool): unsupported: the output projection is tied to the
+            embeddings (torchtune raises).
+        lora_rank (int): adapter rank. Default: 8
+        lora_alpha (float): scaling numerator, ``scaling = alpha / rank``. Default: 16
+        lora_dropout (float): adapter input dropout. Default: 0.0
+        quantize_base (bool): NF4 base weights (QLoRA), block sizes chosen per weight.
+            Default: False
+
+    Returns:
+        TransformerDecoder: the model.
+    """
+    model = lora_llama3_2(
+        lora_attn_modules=lora_attn_modules,
+        apply_lora_to_mlp=apply_lora_to_mlp,
+        apply_lora_to_output=apply_lora_to_output,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        quantize_base=False,  # torchtune's default NF4 block sizes refuse 576x576
+        **SMOLLM2_135M,
+    )
+    if quantize_base:
+        quantize_base_(model)
+        # As torchtune's QLoRA builders: state dicts hold the NF4 bases dequantized to their
+        # dtype, offloaded to the CPU on the fly.
+        model._register_state_dict_hook(
+            partial(reparametrize_as_dtype_state_dict_post_hook, offload_to_cpu=True)
+        )
+    return model
+
+
+qlora_smollm2_135m = partial(lora_smollm2_135m, quantize_base=True)
+qlora_smollm2_135m.__doc__ = """
+SmolLM2-135M with QLoRA: :func:`lora_smollm2_135m` with ``quantize_base=True`` (NF4 bases, block
+sizes chosen per weight: (64, 216) for the 576x576 and 192x576 projections, torchao's (64, 256)
+for the MLP's).
+"""
+
+
+def squash_smollm2_135m(
+    lora_attn_modules: List[LORA_ATTN_MODULES],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    quantize_base: bool = True,
+    sparsity: float = 0.9,
+    sparse_factor: str = "a",
+    init: str = "lora",
+) -> TransformerDecoder:
+    """SmolLM2-135M with FFI-sparse LoRA adapters on an NF4 base (see :func:`lora_smollm2_135m`).
+
+    Built by :func:`squash.models.squash_model`: :func:`lora_smollm2_135m` (NF4 bases with block
+    sizes chosen per weight), each ``LoRALinear`` then swapped for a ``SparseLoRALinear`` that
+    keeps rank, alpha, dropout and the base.
+
+    Args:
+        lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections to adapt, from
+            ``{"q_proj", "k_proj", "v_proj", "output_proj"}``.
+        apply_lora_to_mlp (bool): adapt the MLP linears too. Default: False
+        apply_lora_to_output (bool): unsupported with tied embeddings (torchtune raises).
+        lora_rank (int): adapter rank. Default: 8
+        lora_alpha (float): scaling numerator, ``scaling = alpha / rank``. Default: 16
+        lora_dropout (float): adapter input dropout. Default: 0.0
+        quantize_base (bool): NF4 base weights (QLoRA). Default: True
+        sparsity (float): fraction of zeros of each sparse factor. Default: 0.9
+        sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
+        init (str): ``"lora"`` or ``"svd"``, see :func:`squash.models.squash_model`.
+            Default: ``"lora"``
+
+    Returns:
+        TransformerDecoder: the model.
+    """
+    return squash_model(lora_smollm2_135m, **locals())
