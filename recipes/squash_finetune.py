@@ -18,13 +18,14 @@ from tqdm import tqdm
 
 from squash.training import checkpoint as ckpt
 from squash.training import recipe as rcp
+from squash.training.run import close_metric_logger, config_errors_in_one_line
 from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
 from squash.training.heldout import setup_heldout
 
 log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = rcp.TRAINING_KEYS
+CONFIG_KEYS = rcp.TRAINING_KEYS | {"heldout"}
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -323,21 +324,21 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._heldout.report(self._model)
 
     def cleanup(self) -> None:
-        """Close the metric logger."""
-        if getattr(self, "_metric_logger", None) is not None:
-            self._metric_logger.close()
+        """Close the metric logger (its file is removed if the run logged nothing)."""
+        close_metric_logger(getattr(self, "_metric_logger", None))
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run squash_finetune --config CONFIG [key=value ...]``."""
-    config.log_config(recipe_name="SquashFinetuneRecipeSingleDevice", cfg=cfg)
-    recipe = SquashFinetuneRecipeSingleDevice(cfg=cfg)
-    try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    with config_errors_in_one_line("squash_finetune"):
+        config.log_config(recipe_name="SquashFinetuneRecipeSingleDevice", cfg=cfg)
+        recipe = SquashFinetuneRecipeSingleDevice(cfg=cfg)
+        try:
+            recipe.setup(cfg=cfg)
+            recipe.train()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from squash.training.config_checks import (
     to_plain,
 )
 from squash.training.mask_update import cosine_drop_fraction, record_dense_grads
+from squash.training.run import close_metric_logger
 
 log = utils.get_logger("INFO")
 
@@ -513,9 +514,8 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         return {"peak_memory_rss_gib": peak_kib / 1024**2}
 
     def cleanup(self) -> None:
-        """Close the metric logger (rank 0)."""
-        if self._metric_logger is not None:
-            self._metric_logger.close()
+        """Close the metric logger (rank 0; its file is removed if the run logged nothing)."""
+        close_metric_logger(self._metric_logger)
 
 
 @config.parse

@@ -1,8 +1,13 @@
 """squash: Sparse, Quantized fine-tuning using Adapters at home.
 
 Importing squash registers the ``torch.ops.squash`` custom ops (native kernels compile on first
-use) and the OmegaConf resolver ``${squash_asset:NAME}`` that configs name shipped files with.
+use) and the OmegaConf resolver ``${squash_asset:NAME}`` that configs name shipped files with, and
+filters two third-party messages squash cannot act on (:mod:`squash._quiet`).
 """
+
+from squash._quiet import quiet_third_party
+
+quiet_third_party()  # before torch or torchao are imported, where squash is imported first
 
 from squash import ops, sparsity  # noqa: F401  (registers torch.ops.squash.*)
 from squash.assets import register_resolvers

@@ -118,6 +118,10 @@ class UnicodeNamesDataset(Dataset):
         """The untokenized chat of sample ``index``."""
         return unicode_name_messages(*self.pairs[index])
 
+    def question(self, index: int) -> str:
+        """The question of sample ``index``."""
+        return QUESTION.format(char=self.pairs[index][0])
+
     def answer(self, index: int) -> str:
         """The expected answer (the character's name) of sample ``index``."""
         return self.pairs[index][1]

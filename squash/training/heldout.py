@@ -115,12 +115,33 @@ def heldout_loss(
     return {"loss": total / count, "tokens": float(count)}
 
 
-def prompt_tokens(sample: Dict[str, List[int]], ignore_index: int = CROSS_ENTROPY_IGNORE_IDX) -> List[int]:
-    """The tokens before a sample's first label token (its prompt, up to the answer)."""
+def prompt_tokens(
+    sample: Dict[str, List[int]],
+    answer: Optional[str] = None,
+    decode: Optional[Any] = None,
+    ignore_index: int = CROSS_ENTROPY_IGNORE_IDX,
+) -> List[int]:
+    """The tokens a model answers from: those before a sample's first label token, extended by
+    the label tokens of the answer's turn header when ``answer`` is known.
+
+    A chat template often puts a header (``<|im_start|>assistant\n``) in the labelled turn
+    before the answer itself; with ``answer`` and ``decode`` given, the prompt runs to the last
+    position from which the remaining tokens still decode (special tokens skipped, whitespace
+    stripped) to ``answer``, which is where a generation prompt ends.
+
+    Raises:
+        ValueError: a sample without label tokens.
+    """
     first = next((i for i, lab in enumerate(sample["labels"]) if lab != ignore_index), None)
     if first is None:
         raise ValueError("the sample has no label tokens, so no answer to generate")
-    return list(sample["tokens"][:first])
+    tokens = list(sample["tokens"])
+    end = first
+    if answer is not None and decode is not None:
+        for j in range(first, len(tokens)):
+            if decode(tokens[j:]).strip() == answer:
+                end = j
+    return tokens[:end]
 
 
 @torch.no_grad()
@@ -164,6 +185,10 @@ class HeldoutEvaluator:
     ) -> None:
         ds = config.instantiate(settings["dataset"], tokenizer)
         self.samples = [ds[i] for i in range(len(ds))]
+        # a question-answer dataset (squash.datasets) says what the answer is; otherwise the
+        # answer is what the labels decode to
+        self._answers = [ds.answer(i) if hasattr(ds, "answer") else None for i in range(len(ds))]
+        self._questions = [ds.question(i) if hasattr(ds, "question") else None for i in range(len(ds))]
         if settings["prompt_index"] >= len(self.samples):
             raise ConfigKeyError(
                 f"heldout.prompt_index is {settings['prompt_index']}, but heldout.dataset has "
@@ -176,54 +201,69 @@ class HeldoutEvaluator:
         self._stop = list(getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id])
         self.before: Optional[Dict[str, Any]] = None
 
-    def _answer(self, model: nn.Module, sample: Dict[str, List[int]]) -> str:
+    def prompt(self, index: int) -> List[int]:
+        """The prompt tokens of held-out sample ``index`` (see :func:`prompt_tokens`)."""
+        return prompt_tokens(
+            self.samples[index], self._answers[index], self._tok.decode, self._ignore
+        )
+
+    def expected(self, index: int) -> str:
+        """The expected answer of held-out sample ``index``."""
+        if self._answers[index] is not None:
+            return self._answers[index]
+        s = self.samples[index]
+        ids = [t for t, lab in zip(s["tokens"], s["labels"]) if lab != self._ignore]
+        return self._tok.decode([t for t in ids if t not in self._stop]).strip()
+
+    def answer(self, model: nn.Module, index: int) -> str:
+        """The model's greedy answer to held-out sample ``index``'s prompt, stripped."""
         ids = greedy_tokens(
             model,
-            prompt_tokens(sample, self._ignore),
+            self.prompt(index),
             max_new_tokens=self._s["max_new_tokens"],
             stop_tokens=self._stop,
             device=self._device,
         )
         return self._tok.decode(ids).strip()
 
-    def _expected(self, sample: Dict[str, List[int]]) -> str:
-        ids = [t for t, lab in zip(sample["tokens"], sample["labels"]) if lab != self._ignore]
-        return self._tok.decode([t for t in ids if t not in self._stop]).strip()
-
     def evaluate(self, model: nn.Module) -> Dict[str, Any]:
         """Held-out loss, the greedy answer to ``prompt_index``'s prompt and, if asked, the
         exact-match count; the model is put in eval mode and back."""
         was_training = model.training
+        # only logits: a distillation student also returns hidden states when asked for them
+        hidden = getattr(model, "output_hidden_states", None)
+        if hidden:
+            model.output_hidden_states = []
         model.eval()
         try:
             res: Dict[str, Any] = heldout_loss(
                 model, self.samples, pad_id=self._tok.pad_id, batch_size=self._s["batch_size"],
                 device=self._device, ignore_index=self._ignore,
             )  # fmt: skip
-            res["answer"] = self._answer(model, self.samples[self._s["prompt_index"]])
+            res["answer"] = self.answer(model, self._s["prompt_index"])
             n = min(self._s["exact_match_samples"], len(self.samples))
             if n:
-                res["exact_match"] = sum(
-                    self._answer(model, s) == self._expected(s) for s in self.samples[:n]
-                )
+                res["exact_match"] = sum(self.answer(model, i) == self.expected(i) for i in range(n))
                 res["exact_match_of"] = n
         finally:
             model.train(was_training)
+            if hidden:
+                model.output_hidden_states = hidden
         return res
 
     def report(self, model: nn.Module) -> Dict[str, Any]:
         """Evaluate and print: the first call as the run's start, later calls against it."""
         res = self.evaluate(model)
-        sample = self.samples[self._s["prompt_index"]]
+        index = self._s["prompt_index"]
         n = len(self.samples)
         if self.before is None:
             self.before = res
-            prompt = self._tok.decode(prompt_tokens(sample, self._ignore), skip_special_tokens=True)
+            prompt = self._questions[index] or self._tok.decode(self.prompt(index))
             lines = [
                 f"Held-out loss before training: {res['loss']:.4f} "
                 f"({n} samples, {int(res['tokens'])} answer tokens)",
                 f"Held-out prompt: {' '.join(prompt.split())}",
-                f"  expected answer:        {self._expected(sample)}",
+                f"  expected answer:        {self.expected(index)}",
                 f"  answer before training: {res['answer']}",
             ]
         else:
@@ -232,7 +272,7 @@ class HeldoutEvaluator:
             lines = [
                 f"Held-out loss before training: {b['loss']:.4f}, after: {res['loss']:.4f} "
                 f"({change:+.1f}%)",
-                f"  expected answer:        {self._expected(sample)}",
+                f"  expected answer:        {self.expected(index)}",
                 f"  answer before training: {b['answer']}",
                 f"  answer after training:  {res['answer']}",
             ]
