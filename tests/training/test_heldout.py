@@ -103,3 +103,17 @@ def test_report_prints_before_and_after(tiny, capsys):
 def test_bad_heldout_blocks_name_the_key(block, match):
     with pytest.raises(ConfigKeyError, match=match):
         parse_heldout(block)
+
+
+def test_the_prompt_runs_past_the_answer_turns_header():
+    # a chat template that labels the turn header ("assistant\n") with the answer, as ChatML does
+    vocab = {10: "Q", 11: "?", 20: "assistant", 21: "\n", 30: "LAT", 31: "IN", 2: ""}
+    sample = {"tokens": [10, 11, 20, 21, 30, 31, 2], "labels": [-100, -100, 20, 21, 30, 31, 2]}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    assert prompt_tokens(sample, "LATIN", decode) == [10, 11, 20, 21]
+    assert prompt_tokens(sample) == [10, 11]  # no answer known: up to the first label
+    with pytest.raises(ValueError, match="no label tokens"):
+        prompt_tokens({"tokens": [1, 2], "labels": [-100, -100]})
