@@ -10,6 +10,6 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).resolve().parent
 
 setup(
-    packages=find_packages(include=["squash", "squash.*"]) + ["squash._configs", "squash._kernels"],
+    packages=find_packages(include=["squash", "squash.*"]) + ["squash._assets", "squash._configs", "squash._kernels"],
     py_modules=sorted(p.stem for p in (HERE / "recipes").glob("*.py")),
 )

@@ -34,13 +34,15 @@ from squash.training.config_checks import (
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import setup_adapter_model, setup_frozen_model, svd_init_factors
+from squash.training.heldout import setup_heldout
+from squash.training.run import close_metric_logger, config_errors_in_one_line
 
 log = utils.get_logger("INFO")
 
 # squash_finetune's keys, plus the teacher and the loss weights.
 CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {
     "teacher", "teacher_checkpointer", "teacher_dtype", "task_weight", "kd_weight",
-    "squarehead_weight", "squarehead_layers", "kd_loss", "squarehead_loss",
+    "squarehead_weight", "squarehead_layers", "kd_loss", "squarehead_loss", "heldout",
 }  # fmt: skip
 
 
@@ -248,6 +250,10 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )
         # Restored in train(), where the run that wrote the checkpoint was when it saved it.
         self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
+        self._heldout = setup_heldout(
+            cfg.get("heldout", None), self._tokenizer,
+            device=self._device, ignore_index=self._loss_fn.ignore_index,
+        )  # fmt: skip
 
     def _setup_hidden_states(self) -> None:
         """Ask student and teacher for the hidden states SquareHead needs (none if its weight is
@@ -358,7 +364,10 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         return terms
 
     def train(self) -> None:
-        """The training loop; step and epoch checkpoints as configured."""
+        """The training loop; step and epoch checkpoints as configured; with a ``heldout``
+        block, the student's held-out loss and answer before the first step and after the last."""
+        if self._heldout is not None:
+            self._heldout.report(self._model)
         t0 = time.perf_counter()
         running: Dict[str, Any] = {}
         num_tokens, micro = 0, 0
@@ -450,23 +459,25 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                 self._steps_in_epoch = 0
                 running, num_tokens, micro = {}, 0, 0
                 self.save_checkpoint(curr_epoch)
+        if self._heldout is not None:
+            self._heldout.report(self._model)
 
     def cleanup(self) -> None:
-        """Close the metric logger."""
-        if getattr(self, "_metric_logger", None) is not None:
-            self._metric_logger.close()
+        """Close the metric logger (its file is removed if the run logged nothing)."""
+        close_metric_logger(getattr(self, "_metric_logger", None))
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run squash_distill --config CONFIG [key=value ...]``."""
-    config.log_config(recipe_name="SquashDistillRecipeSingleDevice", cfg=cfg)
-    recipe = SquashDistillRecipeSingleDevice(cfg=cfg)
-    try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    with config_errors_in_one_line("squash_distill"):
+        config.log_config(recipe_name="SquashDistillRecipeSingleDevice", cfg=cfg)
+        recipe = SquashDistillRecipeSingleDevice(cfg=cfg)
+        try:
+            recipe.setup(cfg=cfg)
+            recipe.train()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torchtune.recipe_interfaces import EvalRecipeInterface
 from squash.modules import get_adapter_modules
 from squash.training import checkpoint as ckpt
 from squash.training import data
+from squash.training.run import close_metric_logger, config_errors_in_one_line
 from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
 from squash.training.model_setup import setup_frozen_model
 
@@ -172,21 +173,21 @@ class SquashEvalRecipe(EvalRecipeInterface):
         return results
 
     def cleanup(self) -> None:
-        """Close the metric logger."""
-        if getattr(self, "_metric_logger", None) is not None:
-            self._metric_logger.close()
+        """Close the metric logger (its file is removed if the run logged nothing)."""
+        close_metric_logger(getattr(self, "_metric_logger", None))
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run squash_eval --config CONFIG [key=value ...]``."""
-    config.log_config(recipe_name="SquashEvalRecipe", cfg=cfg)
-    recipe = SquashEvalRecipe(cfg=cfg)
-    try:
-        recipe.setup(cfg=cfg)
-        recipe.evaluate()
-    finally:
-        recipe.cleanup()
+    with config_errors_in_one_line("squash_eval"):
+        config.log_config(recipe_name="SquashEvalRecipe", cfg=cfg)
+        recipe = SquashEvalRecipe(cfg=cfg)
+        try:
+            recipe.setup(cfg=cfg)
+            recipe.evaluate()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

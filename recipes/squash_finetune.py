@@ -28,11 +28,13 @@ from squash.training.config_checks import (
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import setup_adapter_model, svd_init_factors
+from squash.training.heldout import setup_heldout
+from squash.training.run import close_metric_logger, config_errors_in_one_line
 
 log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {"export"}  # export: {gguf: [f16, q8_0]}
+CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {"export", "heldout"}  # export: {gguf: [f16, q8_0]}
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -190,6 +192,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         # Restored in train(), where the run that wrote the checkpoint was when it saved it.
         self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
+        self._heldout = setup_heldout(
+            cfg.get("heldout", None), self._tokenizer,
+            device=self._device, ignore_index=self._loss_fn.ignore_index,
+        )  # fmt: skip
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
@@ -255,7 +261,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         return self._loss_fn(logits, labels)
 
     def train(self) -> None:
-        """The training loop; step and epoch checkpoints as configured."""
+        """The training loop; step and epoch checkpoints as configured; with a ``heldout``
+        block, the held-out loss and answer before the first step and after the last."""
+        if self._heldout is not None:
+            self._heldout.report(self._model)
         t0 = time.perf_counter()
         running_loss, num_tokens, micro = 0.0, 0, 0
         with self._profiler as prof:
@@ -337,23 +346,25 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._steps_in_epoch = 0
                 micro, running_loss, num_tokens = 0, 0.0, 0
                 self.save_checkpoint(curr_epoch)
+        if self._heldout is not None:
+            self._heldout.report(self._model)
 
     def cleanup(self) -> None:
-        """Close the metric logger."""
-        if getattr(self, "_metric_logger", None) is not None:
-            self._metric_logger.close()
+        """Close the metric logger (its file is removed if the run logged nothing)."""
+        close_metric_logger(getattr(self, "_metric_logger", None))
 
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run squash_finetune --config CONFIG [key=value ...]``."""
-    config.log_config(recipe_name="SquashFinetuneRecipeSingleDevice", cfg=cfg)
-    recipe = SquashFinetuneRecipeSingleDevice(cfg=cfg)
-    try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    with config_errors_in_one_line("squash_finetune"):
+        config.log_config(recipe_name="SquashFinetuneRecipeSingleDevice", cfg=cfg)
+        recipe = SquashFinetuneRecipeSingleDevice(cfg=cfg)
+        try:
+            recipe.setup(cfg=cfg)
+            recipe.train()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

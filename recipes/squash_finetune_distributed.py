@@ -37,6 +37,7 @@ from squash.training.config_checks import (
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.mask_update import record_dense_grads
 from squash.training.model_setup import build_adapter_model
+from squash.training.run import close_metric_logger
 
 log = utils.get_logger("INFO")
 
@@ -487,9 +488,8 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 self.save_checkpoint(curr_epoch)
 
     def cleanup(self) -> None:
-        """Close the metric logger (rank 0)."""
-        if self._metric_logger is not None:
-            self._metric_logger.close()
+        """Close the metric logger (rank 0; its file is removed if the run logged nothing)."""
+        close_metric_logger(self._metric_logger)
 
 
 @config.parse

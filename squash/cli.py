@@ -1,6 +1,7 @@
 """The ``squash`` command: ``squash ls`` and ``squash cp``, as torchtune's ``tune ls``/``tune cp``
-are for torchtune's own recipes and configs; ``squash download`` for the models squash can get
-without a model hub; ``squash export`` (GGUF) and ``squash chat``.
+are for torchtune's own recipes and configs, ``squash validate CONFIG`` for squash's own config
+checks (``tune validate`` knows none of squash's keys), ``squash download`` for the models squash
+can get without a model hub, ``squash export`` (GGUF) and ``squash chat``.
 
 Recipes are installed as top-level modules (``squash_finetune``), so ``tune run squash_finetune``
 finds them from any directory; configs ship inside the package (``squash._configs``). torchtune's
@@ -18,12 +19,14 @@ from typing import Dict, List, Optional
 
 # recipe module -> the configs that run it (names without .yaml).
 RECIPES: Dict[str, List[str]] = {
-    "squash_finetune": ["opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b"],
+    "squash_finetune": [
+        "opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b", "smollm2_135m", "smollm2_135m_qlora",
+    ],
     "squash_finetune_distributed": [
         "opt_tiny_distributed", "opt350m_distributed", "llama3_2_1b_distributed",
     ],
-    "squash_distill": ["opt_tiny_distill", "opt350m_distill"],
-    "squash_eval": ["opt_tiny_eval", "opt350m_eval"],
+    "squash_distill": ["opt_tiny_distill", "opt350m_distill", "smollm2_135m_distill"],
+    "squash_eval": ["opt_tiny_eval", "opt350m_eval", "smollm2_135m_eval"],
     "squash_eleuther_eval": ["smollm2_eleuther_eval", "opt350m_eleuther_eval"],
 }
 
@@ -125,11 +128,57 @@ def _download(args: argparse.Namespace) -> int:
     return 0
 
 
+def recipe_for(config_path: str) -> str:
+    """The recipe a config is for: the one listing it (by file name) in :data:`RECIPES`, else
+    ``squash_distill`` for a config with a ``teacher``, ``squash_eval`` with an ``adapter_dir``,
+    else ``squash_finetune``."""
+    from omegaconf import OmegaConf
+
+    stem = Path(config_path).stem
+    for recipe, names in RECIPES.items():
+        if stem in names:
+            return recipe
+    cfg = OmegaConf.load(config_path)
+    if "teacher" in cfg:
+        return "squash_distill"
+    if "adapter_dir" in cfg:
+        return "squash_eval"
+    return "squash_finetune"
+
+
+def _validate(config_path: str, recipe: Optional[str], overrides: List[str]) -> int:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from squash.training.config_checks import ConfigKeyError, validate_config
+    from squash.training.run import one_line
+
+    if not Path(config_path).is_file():
+        print(f"squash validate: no such config file: {config_path}", file=sys.stderr)
+        return 1
+    recipe = recipe or recipe_for(config_path)
+    if recipe not in RECIPES:
+        print(f"squash validate: unknown recipe {recipe!r}; known: {', '.join(RECIPES)}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        cfg = OmegaConf.merge(OmegaConf.load(config_path), OmegaConf.from_dotlist(overrides))
+        keys = importlib.import_module(recipe).CONFIG_KEYS
+        validate_config(cfg, keys)
+    except (ConfigKeyError, OmegaConfBaseException) as err:
+        print(f"squash validate: {config_path}: config error: {one_line(err)}", file=sys.stderr)
+        return 1
+    print(f"{config_path}: well-formed for {recipe} (keys, interpolations, components, "
+          "mask_update and heldout checked)")  # fmt: skip
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``squash`` console script."""
     parser = argparse.ArgumentParser(
         prog="squash",
-        description="List and copy squash's recipes and configs; download models; export and chat.",
+        description="List, copy and validate squash's recipes and configs; download models; "
+        "export and chat.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ls", help="list recipes and their configs")
@@ -167,7 +216,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     chat.add_argument("--top-k", type=int, default=None)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--device", default="cpu")
+    val = sub.add_parser(
+        "validate",
+        help="check a config with squash's own key checks, building nothing",
+        description="Check a config as the recipe would before building anything: unknown or "
+        "misspelled keys (with the nearest valid one), interpolations, each _component_ and "
+        "its arguments, mask_update and heldout.",
+    )
+    val.add_argument("config", help="the YAML config")
+    val.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
+    val.add_argument("--recipe", choices=sorted(RECIPES),
+                     help="the recipe it is for (default: from the config; squash_finetune)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.command == "validate":
+        return _validate(args.config, args.recipe, args.overrides)
     if args.command == "ls":
         return _ls()
     if args.command == "download":

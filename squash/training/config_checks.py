@@ -135,3 +135,37 @@ def parse_mask_update(block: Optional[Mapping]) -> Optional[Dict[str, Any]]:
     if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 < drop < 1.0:
         raise ConfigKeyError(f"mask_update.drop_fraction must be in (0, 1), got {drop!r}")
     return {"every_n_steps": every, "until_step": until, "drop_fraction": float(drop)}
+
+
+# Blocks whose component the recipes call with a positional argument first (a dataset's
+# tokenizer, an optimizer's parameters, a scheduler's optimizer).
+POSITIONAL_ARGS = {"dataset": 1, "optimizer": 1, "lr_scheduler": 1}
+
+
+def validate_config(cfg: DictConfig, valid_keys: Iterable[str]) -> None:
+    """squash's own checks of a whole config, without building anything (``squash validate``):
+    every top-level key is one the recipe reads, every interpolation resolves, every
+    ``_component_`` block imports and accepts its keys, and ``mask_update`` and ``heldout`` are
+    well-formed.
+
+    Args:
+        cfg (DictConfig): the config (overrides merged).
+        valid_keys (Iterable[str]): the recipe's top-level keys (its ``CONFIG_KEYS``).
+
+    Raises:
+        ConfigKeyError: naming the first key at fault.
+        omegaconf.errors.OmegaConfBaseException: an interpolation that does not resolve.
+    """
+    from squash.training.heldout import parse_heldout
+
+    check_keys(cfg, valid_keys)
+    OmegaConf.to_container(cfg, resolve=True)
+    for key, value in cfg.items():
+        if isinstance(value, DictConfig) and "_component_" in value:
+            check_component(value, key, positional=POSITIONAL_ARGS.get(key, 0))
+        elif isinstance(value, ListConfig) and len(value) and all(
+            isinstance(v, DictConfig) and "_component_" in v for v in value
+        ):
+            check_component(value, key, positional=POSITIONAL_ARGS.get(key, 0))
+    parse_mask_update(cfg.get("mask_update", None))
+    parse_heldout(cfg.get("heldout", None))

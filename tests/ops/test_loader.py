@@ -204,3 +204,34 @@ def test_live_builder_is_waited_for_with_a_bound(fresh_loader, monkeypatch, tmp_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_first_build_says_it_is_compiling_and_a_cached_one_is_silent(
+    fresh_loader, monkeypatch, tmp_path, capsys
+):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("SQUASH_KERNELS", "native")
+    built = []
+
+    def load(name, sources, build_directory, **kwargs):
+        # what a real build leaves: the library and a build.ninja naming the sources
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        (Path(build_directory) / "build.ninja").write_text("\n".join(sources))
+        built.append(name)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert _loader.ensure_loaded("cpu")
+    err = capsys.readouterr().err
+    build_dir = tmp_path / _loader.extension_name("cpu")
+    assert f"compiling the cpu FFI kernels on first use ({_loader.BUILD_ESTIMATE['cpu']}" in err
+    assert str(build_dir) in err and "cpu FFI kernels ready after" in err
+    monkeypatch.setattr(_loader, "_state", {})  # a new process, same cache
+    assert _loader.ensure_loaded("cpu") and len(built) == 2
+    assert capsys.readouterr().err == ""
+    # sources that changed since (newer than the library) are a rebuild, said as such
+    staged = _loader.stage_sources() / "ffi_cpu.cpp"
+    later = (build_dir / f"{build_dir.name}.so").stat().st_mtime + 10
+    os.utime(staged, (later, later))
+    assert _loader.build_needed(build_dir, [str(staged)])

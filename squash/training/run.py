@@ -1,0 +1,58 @@
+"""What a recipe's entry point does around a run: config errors as one line, no empty log
+files left by a failed run, and third-party messages squash cannot act on kept quiet.
+
+- :func:`config_errors_in_one_line`: a ``ConfigKeyError`` (or an OmegaConf interpolation error)
+  ends the run with ``RECIPE: config error: MESSAGE`` on stderr and exit status 1, not a
+  traceback through torchtune's launcher.
+- :func:`close_metric_logger`: closes the run's metric logger and removes its log file when the
+  run wrote nothing into it (a run that failed in set-up).
+(Third-party messages squash cannot act on are filtered when squash is imported:
+:mod:`squash._quiet`.)
+"""
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from squash.training.config_checks import ConfigKeyError
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (OmegaConf's span several)."""
+    return " ".join(str(err).split())
+
+
+@contextmanager
+def config_errors_in_one_line(recipe: str) -> Iterator[None]:
+    """Run the body; a config error becomes ``RECIPE: config error: ...`` and exit status 1.
+
+    Raises:
+        SystemExit: status 1, after printing the message, on a ``ConfigKeyError`` or an
+            OmegaConf error (an interpolation that does not resolve, a missing mandatory value).
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except (ConfigKeyError, OmegaConfBaseException) as err:
+        print(f"{recipe}: config error: {one_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def close_metric_logger(logger: Any) -> None:
+    """Close ``logger``; if it wrote to a file that is still empty, remove the file (and its
+    directory, when that is left empty)."""
+    if logger is None:
+        return
+    logger.close()
+    path_fn = getattr(logger, "path_to_log_file", None)
+    if path_fn is None:
+        return
+    path = Path(path_fn())
+    try:
+        if path.is_file() and path.stat().st_size == 0:
+            path.unlink()
+            if not any(path.parent.iterdir()):
+                path.parent.rmdir()
+    except OSError:  # another process's file appeared, or permissions: leave it
+        pass

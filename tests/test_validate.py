@@ -1,0 +1,54 @@
+"""``squash validate CONFIG``: squash's own key checks, where ``tune validate`` accepts a
+misspelled key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from squash.cli import main, recipe_for
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.yaml")
+                                        if p.stem != "opt350m_eleuther_eval"))
+def test_every_shipped_squash_config_validates(name, capsys):
+    path = REPO / "configs" / f"{name}.yaml"
+    assert main(["validate", str(path)]) == 0
+    assert f"well-formed for {recipe_for(str(path))}" in capsys.readouterr().out
+
+
+def test_recipe_is_found_from_the_config():
+    assert recipe_for(str(REPO / "configs" / "opt_tiny_distill.yaml")) == "squash_distill"
+    assert recipe_for(str(REPO / "configs" / "smollm2_135m_eval.yaml")) == "squash_eval"
+    assert recipe_for(str(REPO / "configs" / "smollm2_135m.yaml")) == "squash_finetune"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("batch_szie=8", "Unknown config key(s): batch_szie (did you mean 'batch_size'?)"),
+    ("mask_update.every_n_step=5", "Unknown config key(s): mask_update.every_n_step (did you mean 'every_n_steps'?)"),
+    ("model.lora_rnak=8", "model.lora_rnak: squash.models.opt.squash_opt_tiny takes no argument "
+                          "'lora_rnak' (did you mean 'lora_rank'?)"),
+    ("heldout.batch_size=2", "heldout needs a dataset block (heldout.dataset)"),
+])
+def test_a_bad_key_is_one_line_naming_it(override, message, capsys):
+    path = str(REPO / "configs" / "opt_tiny.yaml")
+    assert main(["validate", path, override]) == 1
+    err = capsys.readouterr().err
+    assert err == f"squash validate: {path}: config error: {message}\n"
+
+
+def test_tune_validate_accepts_what_squash_validate_rejects(tmp_path):
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text((REPO / "configs" / "opt_tiny.yaml").read_text().replace("batch_size:", "batch_szie:"))
+    tune = subprocess.run([str(BIN / "tune"), "validate", str(cfg)], capture_output=True, text=True)
+    assert tune.returncode == 0 and "Config is well-formed!" in tune.stdout
+    ours = subprocess.run([str(BIN / "squash"), "validate", str(cfg)], capture_output=True, text=True)
+    assert ours.returncode == 1 and ours.stdout == ""
+    assert ours.stderr.splitlines() == [
+        f"squash validate: {cfg}: config error: Unknown config key(s): batch_szie "
+        "(did you mean 'batch_size'?)"
+    ]
