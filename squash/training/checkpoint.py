@@ -17,7 +17,9 @@ either the whole directory or none):
 - unless ``adapter_only``: the merged model (``SparseLoRALinear.merged_weight()``, NF4 bases
   dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
-- ``checkpoint.json``: epoch and global step; written last, so a directory with it is complete.
+- ``checkpoint.json``: epoch and global step, the counters, the sha256 and size of every other
+  file and the run's config (:mod:`squash.training.manifest`); written last, so a directory with
+  it is complete, and resume and ``squash_eval`` verify the directory against it.
 """
 
 import json
@@ -32,6 +34,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from squash.training import manifest
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +230,7 @@ def _save_tensors(tensors: Dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
 
 
+@manifest.names_write_errors
 def write_checkpoint(
     output_dir: Path,
     name: str,
@@ -290,7 +295,7 @@ def write_checkpoint(
             json.dumps(squash_adapter_config, indent=2, sort_keys=True)
         )
         torch.save(recipe_state, inner / RECIPE_STATE_FILE)
-        (inner / CHECKPOINT_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        manifest.write_meta(inner, meta, recipe_state, output_dir)  # hashes: written last
         _publish(inner)
         _replace_dir(inner, final)
     finally:
