@@ -27,7 +27,14 @@ from torchtune.recipe_interfaces import EvalRecipeInterface
 
 from squash.training import checkpoint as ckpt
 from squash.training import recipe as rcp
-from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
+from squash.training import run_dir
+from squash.training.config_checks import (
+    ConfigKeyError,
+    check_component,
+    check_keys,
+    check_values,
+    get_int,
+)
 
 log = utils.get_logger("INFO")
 
@@ -64,6 +71,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_keys(cfg, CONFIG_KEYS)
+        check_values(cfg)
         for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size"):
             if cfg.get(key) is None:
                 raise ConfigKeyError(f"Missing config key: {key}")
@@ -81,6 +89,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
                                 ("dataset", 1), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
+        self._run_lock = run_dir.claim(cfg)  # verifies adapter_dir; before anything is written
         self._metric_logger = None
         if cfg.get("metric_logger") is not None:
             self._metric_logger = config.instantiate(cfg.metric_logger)
@@ -170,9 +179,11 @@ class SquashEvalRecipe(EvalRecipeInterface):
         return results
 
     def cleanup(self) -> None:
-        """Close the metric logger."""
+        """Close the metric logger and release ``output_dir``'s lock."""
         if getattr(self, "_metric_logger", None) is not None:
             self._metric_logger.close()
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
 
 
 @config.parse

@@ -27,12 +27,14 @@ from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
 from squash.training import distributed as sq_dist
 from squash.training import recipe as rcp
+from squash.training import resume_config, run_dir
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
+    check_values,
     get_int,
     parse_mask_update,
     to_plain,
@@ -92,6 +94,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_keys(cfg, CONFIG_KEYS)
+        check_values(cfg)
         for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
                     "loss", "epochs", "batch_size"):  # fmt: skip
             if cfg.get(key) is None:
@@ -143,6 +146,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                                 ("loss", 0), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
+        self._run_lock = run_dir.claim(cfg, lock=self._is_rank_zero)  # before anything is written
         if self._is_rank_zero:
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
@@ -151,13 +155,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
 
         recipe_state, resume_dir = None, None
         if self._resume:
-            resume_dir = ckpt.latest_checkpoint(self._output_dir)
-            if resume_dir is None:
-                raise FileNotFoundError(
-                    f"resume_from_checkpoint is True but {self._output_dir} holds no complete "
-                    "epoch_N or step_N checkpoint"
-                )
-            recipe_state = ckpt.load_recipe_state(resume_dir)
+            resume_dir, recipe_state = resume_config.load_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
 
@@ -513,9 +511,11 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         return {"peak_memory_rss_gib": peak_kib / 1024**2}
 
     def cleanup(self) -> None:
-        """Close the metric logger (rank 0)."""
+        """Close the metric logger and release ``output_dir``'s lock (rank 0)."""
         if self._metric_logger is not None:
             self._metric_logger.close()
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
 
 
 @config.parse

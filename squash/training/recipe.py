@@ -27,6 +27,8 @@ from squash.training.adapter_init import initial_adapter_state_dict
 from squash.training.config_checks import (  # noqa: F401  (parse_mask_update: recipes use it)
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
+    NamedRecordErrors,
+    dataset_where,
     parse_mask_update,
     to_plain,
 )
@@ -299,6 +301,7 @@ def setup_dataloader(
         else:
             ds = config.instantiate(cfg_dataset, tokenizer)
             packed = cfg_dataset.get("packed", False)
+        ds = NamedRecordErrors(ds, dataset_where(cfg_dataset))
         ds[0]  # a missing column shows here, not deep inside the first step
     except KeyError as e:
         columns = dataset_columns(cfg_dataset)
