@@ -240,6 +240,8 @@ class NamedRecordErrors:
         return len(self._dataset)
 
     def __getattr__(self, name: str) -> Any:
+        if "_dataset" not in self.__dict__:  # during unpickling
+            raise AttributeError(name)
         return getattr(self.__dict__["_dataset"], name)
 
     def __getitem__(self, index: int) -> Any:
