@@ -98,19 +98,20 @@ def _inside(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
-def check_output_dir(cfg: DictConfig) -> Path:
-    """Refuse an ``output_dir`` that would write into something the config reads.
+def refuse_overlap(out: Path, reads: List[Tuple[str, Path, bool]], what: str = "output_dir") -> Path:
+    """Refuse an output directory ``out`` that equals, contains or lies inside a directory of
+    ``reads``, or contains a file of it (``(key, path, is_dir)``, as :func:`read_paths` gives).
+    Any writer can call it, e.g. an export command with ``[("CHECKPOINT_DIR", path, True)]``.
 
     Returns:
-        Path: ``output_dir``, resolved.
+        Path: ``out``, resolved.
 
     Raises:
-        ConfigKeyError: naming ``output_dir`` and the key it overlaps (equal to, containing or
-            inside a directory read; containing a file read).
+        ConfigKeyError: naming ``what`` and the key it overlaps.
     """
-    out = Path(str(cfg.output_dir)).expanduser().resolve()
-    for key, path, is_dir in read_paths(cfg):
-        src = path.expanduser().resolve()
+    out = Path(out).expanduser().resolve()
+    for key, path, is_dir in reads:
+        src = Path(path).expanduser().resolve()
         if is_dir and (_inside(out, src) or _inside(src, out)):
             how = "is" if out == src else "lies inside" if _inside(out, src) else "contains"
         elif not is_dir and _inside(src, out):
@@ -118,11 +119,23 @@ def check_output_dir(cfg: DictConfig) -> Path:
         else:
             continue
         raise ConfigKeyError(
-            f"output_dir {out} {how} {key} ({src}), which this run reads; writing logs, the "
-            "config copy or checkpoints there could change its input. Give an output_dir "
-            "outside every directory the run reads"
+            f"{what} {out} {how} {key} ({src}), which this run reads; writing logs, the "
+            f"config copy, checkpoints or exports there could change its input. Give an "
+            f"{what} outside every directory the run reads"
         )
     return out
+
+
+def check_output_dir(cfg: DictConfig) -> Path:
+    """:func:`refuse_overlap` of ``cfg.output_dir`` and what ``cfg`` reads (:func:`read_paths`).
+
+    Returns:
+        Path: ``output_dir``, resolved.
+
+    Raises:
+        ConfigKeyError: naming ``output_dir`` and the key it overlaps.
+    """
+    return refuse_overlap(Path(str(cfg.output_dir)), read_paths(cfg))
 
 
 # ---- the lock -------------------------------------------------------------------------------------
