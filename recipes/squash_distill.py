@@ -24,20 +24,23 @@ from tqdm import tqdm
 
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.training import checkpoint as ckpt
-from squash.training import recipe as rcp
 from squash.training import resume_config, run_dir
+from squash.training import data, exports, resume, steps
 from squash.training.config_checks import (
+    FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
     check_values,
     get_int,
 )
+from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
+from squash.training.model_setup import setup_adapter_model, setup_frozen_model, svd_init_factors
 
 log = utils.get_logger("INFO")
 
 # squash_finetune's keys, plus the teacher and the loss weights.
-CONFIG_KEYS = rcp.TRAINING_KEYS | {
+CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {
     "teacher", "teacher_checkpointer", "teacher_dtype", "task_weight", "kd_weight",
     "squarehead_weight", "squarehead_layers", "kd_loss", "squarehead_loss",
 }  # fmt: skip
@@ -46,7 +49,7 @@ CONFIG_KEYS = rcp.TRAINING_KEYS | {
 class SquashDistillRecipeSingleDevice(FTRecipeInterface):
     """Distillation into a QLoRA student whose adapter factors are Fixed Fan-In sparse, on one
     CUDA, ROCm or CPU device. Everything of ``squash_finetune`` works the same way (the same
-    :mod:`squash.training.recipe` functions build the student and the data, move the masks and
+    :mod:`squash.training` functions build the student and the data, move the masks and
     write and resume checkpoints); a teacher is added.
 
     Features:
@@ -139,7 +142,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                 "enable_activation_offloading needs a CUDA/ROCm device and "
                 "enable_activation_checkpointing: True"
             )
-        self._mask_update = rcp.parse_mask_update(cfg.get("mask_update", None))
+        self._mask_update = MaskUpdateSchedule.from_config(cfg.get("mask_update", None))
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch = 0  # optimizer steps done in the current epoch (for resume)
@@ -162,16 +165,14 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         ckpt.clean_stale_temporaries(self._output_dir)
         recipe_state, resume_dir = None, None
         if self._resume:
-            resume_dir, recipe_state = resume_config.load_resume_state(
-                self._output_dir, cfg, rcp.COUNTER_KEYS
-            )
+            resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
 
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model_cfg = cfg.model
-        self._model = rcp.setup_adapter_model(
+        self._model = setup_adapter_model(
             cfg.model,
             base_state_dict,
             device=self._device,
@@ -181,14 +182,14 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             compile_model=cfg.get("compile", False),
             seed=self.seed,
         )
-        self._svd_init = rcp.svd_init_factors(cfg.model, self._model)
+        self._svd_init = svd_init_factors(cfg.model, self._model)
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         if resume_dir is not None:
             ckpt.load_adapter_into(self._model, ckpt.load_squash_adapter(resume_dir), resume_dir)
         del base_state_dict
 
         teacher_checkpointer = config.instantiate(cfg.teacher_checkpointer)
-        self._teacher = rcp.setup_frozen_model(
+        self._teacher = setup_frozen_model(
             cfg.teacher,
             teacher_checkpointer.load_checkpoint()[training.MODEL_KEY],
             device=self._device,
@@ -222,7 +223,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
             self._teacher.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = rcp.setup_dataloader(
+        self._dataloader = data.setup_dataloader(
             cfg.dataset,
             self._tokenizer,
             batch_size=self._batch_size,
@@ -233,20 +234,20 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])
-        self._steps_per_epoch = rcp.steps_per_epoch(
+        self._steps_per_epoch = data.steps_per_epoch(
             len(self._dataloader),
             batch_size=self._batch_size,
             grad_accum=self._grad_accum,
             max_steps_per_epoch=self.max_steps_per_epoch,
         )
-        self._lr_scheduler = rcp.setup_lr_scheduler(
+        self._lr_scheduler = steps.setup_lr_scheduler(
             cfg.get("lr_scheduler", None),
             self._optimizer,
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
             state=recipe_state,
         )
-        self._profiler = rcp.setup_profiler(cfg.get("profiler", None))
+        self._profiler = steps.setup_profiler(cfg.get("profiler", None))
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
@@ -274,7 +275,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         self._teacher.output_hidden_states = list(self._squarehead_layers)
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
-        self.max_steps_per_epoch = rcp.resumed_max_steps(state, self.max_steps_per_epoch)
+        self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
         self.epochs_run = state["epochs_run"]
         self.global_step = state["global_step"]
         self._steps_in_epoch = state["steps_in_epoch"]
@@ -284,15 +285,16 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
     def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
         """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
         name = name or f"epoch_{epoch}"
-        path = rcp.save_training_checkpoint(
-            self._output_dir,
-            name,
-            model=self._model,
-            cfg_model=self._model_cfg,
-            checkpointer=self._checkpointer,
+        model_exports = exports.checkpoint_exports(
+            self._model.state_dict(),
+            exports.adapter_layout(self._model),
+            self._model_cfg,
             dtype=self._dtype,
             adapter_only=self._adapter_only,
-            counters={
+            svd_init=self._svd_init,
+        )
+        recipe_state = resume.recipe_state(
+            {
                 "epochs_run": self.epochs_run,
                 "global_step": self.global_step,
                 "steps_in_epoch": self._steps_in_epoch,
@@ -300,12 +302,21 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                 "total_epochs": self.total_epochs,
                 "max_steps_per_epoch": self.max_steps_per_epoch,
             },
-            optimizer=self._optimizer,
+            at_epoch_end=name.startswith("epoch_"),
+            optimizer=self._optimizer.state_dict(),
             lr_scheduler=self._lr_scheduler,
-            dataloader=self._dataloader,
-            device=self._device,
+            dataloader=self._dataloader.state_dict(),
+            rng=ckpt.rng_state(self._device),
+        )
+        path = ckpt.write_checkpoint(
+            self._output_dir,
+            name,
+            checkpointer=self._checkpointer,
+            exports=model_exports,
+            recipe_state=recipe_state,
             epoch=epoch,
-            svd_init=self._svd_init,
+            global_step=self.global_step,
+            adapter_only=self._adapter_only,
         )
         self._last_checkpoint = path
         log.info(f"Saved checkpoint {path}")
@@ -360,21 +371,20 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
                 pbar = tqdm(total=self._steps_per_epoch, initial=self._steps_in_epoch)
-                # Making the iterator draws a seed from torch's RNG: a checkpoint taken at the
-                # end of an epoch was before that draw, one taken mid-epoch after it.
-                mid_epoch = self._steps_in_epoch > 0
-                if self._pending_rng is not None and not mid_epoch:
-                    ckpt.set_rng_state(self._pending_rng, self._device)
-                batches = iter(self._dataloader)
-                if self._pending_rng is not None and mid_epoch:
-                    ckpt.set_rng_state(self._pending_rng, self._device)
+                # The RNG of a resumed run restored before or after making the iterator
+                batches = resume.epoch_batches(
+                    self._dataloader,
+                    self._pending_rng,
+                    mid_epoch=self._steps_in_epoch > 0,
+                    device=self._device,
+                )
                 self._pending_rng = None
                 for batch in batches:
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1
-                    if micro == 0 and rcp.mask_update_due(self._mask_update, step):
-                        rcp.start_mask_recording(
+                    if micro == 0 and mask_update_due(self._mask_update, step):
+                        steps.start_mask_recording(
                             self._model, self._mask_update, step, self._grad_accum
                         )
                     utils.batch_to_device(batch, self._device)
@@ -397,7 +407,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                     if micro < self._grad_accum:
                         continue
 
-                    lr, grad_norm = rcp.optimizer_step(
+                    lr, grad_norm = steps.optimizer_step(
                         self._model,
                         self._optimizer,
                         self._lr_scheduler,
@@ -407,11 +417,11 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                     self.global_step = step
                     self._steps_in_epoch += 1
                     logs = {}
-                    if rcp.mask_update_due(self._mask_update, step):
+                    if mask_update_due(self._mask_update, step):
                         # adapters that no loss term reaches (layers after the last one that
                         # SquareHead matches, when it is the only term) keep their masks
                         logs.update(
-                            rcp.apply_mask_update(
+                            steps.apply_mask_update(
                                 self._model,
                                 self._optimizer,
                                 self._mask_update,
@@ -433,7 +443,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                         if grad_norm is not None:
                             logs["grad_norm"] = grad_norm
                         if self._log_peak_memory_stats:
-                            logs.update(rcp.memory_stats(self._device))
+                            logs.update(steps.memory_stats(self._device))
                         self._metric_logger.log_dict(logs, step=step)
                     running, num_tokens, micro = {}, 0, 0
                     if self._save_every_n_steps and step % self._save_every_n_steps == 0:

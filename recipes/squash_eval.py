@@ -25,9 +25,10 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
+from squash.modules import get_adapter_modules
 from squash.training import checkpoint as ckpt
-from squash.training import recipe as rcp
 from squash.training import run_dir
+from squash.training import data
 from squash.training.config_checks import (
     ConfigKeyError,
     check_component,
@@ -35,6 +36,7 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
+from squash.training.model_setup import setup_frozen_model
 
 log = utils.get_logger("INFO")
 
@@ -95,7 +97,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
         checkpointer = config.instantiate(cfg.checkpointer)
-        self._model = rcp.setup_frozen_model(
+        self._model = setup_frozen_model(
             cfg.model,
             checkpointer.load_checkpoint()[training.MODEL_KEY],
             device=self._device,
@@ -104,7 +106,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
         )
         adapter_dir = cfg.get("adapter_dir", None)
         if adapter_dir is not None:
-            if not ckpt.adapter_modules(self._model):
+            if not get_adapter_modules(self._model):
                 raise ConfigKeyError(
                     f"adapter_dir is set but model {cfg.model._component_} has no adapters; use "
                     "the squash_*/lora_* builder the adapter was trained with"
@@ -115,7 +117,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
         if cfg.get("compile", False):
             training.compile_model(self._model)
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._dataloader = rcp.setup_dataloader(
+        self._dataloader = data.setup_dataloader(
             cfg.dataset,
             self._tokenizer,
             batch_size=self._batch_size,

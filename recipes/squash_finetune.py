@@ -17,20 +17,23 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from squash.training import checkpoint as ckpt
-from squash.training import recipe as rcp
 from squash.training import resume_config, run_dir
+from squash.training import data, exports, resume, steps
 from squash.training.config_checks import (
+    FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
     check_values,
     get_int,
 )
+from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
+from squash.training.model_setup import setup_adapter_model, svd_init_factors
 
 log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
-CONFIG_KEYS = rcp.TRAINING_KEYS
+CONFIG_KEYS = FINETUNE_CONFIG_KEYS
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -101,7 +104,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "enable_activation_offloading needs a CUDA/ROCm device and "
                 "enable_activation_checkpointing: True"
             )
-        self._mask_update = rcp.parse_mask_update(cfg.get("mask_update", None))
+        self._mask_update = MaskUpdateSchedule.from_config(cfg.get("mask_update", None))
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch = 0  # optimizer steps done in the current epoch (for resume)
@@ -122,16 +125,14 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         ckpt.clean_stale_temporaries(self._output_dir)
         recipe_state, resume_dir = None, None
         if self._resume:
-            resume_dir, recipe_state = resume_config.load_resume_state(
-                self._output_dir, cfg, rcp.COUNTER_KEYS
-            )
+            resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
 
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model_cfg = cfg.model
-        self._model = rcp.setup_adapter_model(
+        self._model = setup_adapter_model(
             cfg.model,
             base_state_dict,
             device=self._device,
@@ -141,7 +142,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             compile_model=cfg.get("compile", False),
             seed=self.seed,
         )
-        self._svd_init = rcp.svd_init_factors(cfg.model, self._model)
+        self._svd_init = svd_init_factors(cfg.model, self._model)
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         if resume_dir is not None:
             ckpt.load_adapter_into(self._model, ckpt.load_squash_adapter(resume_dir), resume_dir)
@@ -158,7 +159,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = rcp.setup_dataloader(
+        self._dataloader = data.setup_dataloader(
             cfg.dataset,
             self._tokenizer,
             batch_size=self._batch_size,
@@ -169,20 +170,20 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])
-        self._steps_per_epoch = rcp.steps_per_epoch(
+        self._steps_per_epoch = data.steps_per_epoch(
             len(self._dataloader),
             batch_size=self._batch_size,
             grad_accum=self._grad_accum,
             max_steps_per_epoch=self.max_steps_per_epoch,
         )
-        self._lr_scheduler = rcp.setup_lr_scheduler(
+        self._lr_scheduler = steps.setup_lr_scheduler(
             cfg.get("lr_scheduler", None),
             self._optimizer,
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
             state=recipe_state,
         )
-        self._profiler = rcp.setup_profiler(cfg.get("profiler", None))
+        self._profiler = steps.setup_profiler(cfg.get("profiler", None))
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
@@ -190,7 +191,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
-        self.max_steps_per_epoch = rcp.resumed_max_steps(state, self.max_steps_per_epoch)
+        self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
         self.epochs_run = state["epochs_run"]
         self.global_step = state["global_step"]
         self._steps_in_epoch = state["steps_in_epoch"]
@@ -200,15 +201,16 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
     def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
         """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
         name = name or f"epoch_{epoch}"
-        path = rcp.save_training_checkpoint(
-            self._output_dir,
-            name,
-            model=self._model,
-            cfg_model=self._model_cfg,
-            checkpointer=self._checkpointer,
+        model_exports = exports.checkpoint_exports(
+            self._model.state_dict(),
+            exports.adapter_layout(self._model),
+            self._model_cfg,
             dtype=self._dtype,
             adapter_only=self._adapter_only,
-            counters={
+            svd_init=self._svd_init,
+        )
+        recipe_state = resume.recipe_state(
+            {
                 "epochs_run": self.epochs_run,
                 "global_step": self.global_step,
                 "steps_in_epoch": self._steps_in_epoch,
@@ -216,12 +218,21 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "total_epochs": self.total_epochs,
                 "max_steps_per_epoch": self.max_steps_per_epoch,
             },
-            optimizer=self._optimizer,
+            at_epoch_end=name.startswith("epoch_"),
+            optimizer=self._optimizer.state_dict(),
             lr_scheduler=self._lr_scheduler,
-            dataloader=self._dataloader,
-            device=self._device,
+            dataloader=self._dataloader.state_dict(),
+            rng=ckpt.rng_state(self._device),
+        )
+        path = ckpt.write_checkpoint(
+            self._output_dir,
+            name,
+            checkpointer=self._checkpointer,
+            exports=model_exports,
+            recipe_state=recipe_state,
             epoch=epoch,
-            svd_init=self._svd_init,
+            global_step=self.global_step,
+            adapter_only=self._adapter_only,
         )
         self._last_checkpoint = path
         log.info(f"Saved checkpoint {path}")
@@ -247,21 +258,20 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
                 pbar = tqdm(total=self._steps_per_epoch, initial=self._steps_in_epoch)
-                # Making the iterator draws a seed from torch's RNG: a checkpoint taken at the
-                # end of an epoch was before that draw, one taken mid-epoch after it.
-                mid_epoch = self._steps_in_epoch > 0
-                if self._pending_rng is not None and not mid_epoch:
-                    ckpt.set_rng_state(self._pending_rng, self._device)
-                batches = iter(self._dataloader)
-                if self._pending_rng is not None and mid_epoch:
-                    ckpt.set_rng_state(self._pending_rng, self._device)
+                # The RNG of a resumed run restored before or after making the iterator
+                batches = resume.epoch_batches(
+                    self._dataloader,
+                    self._pending_rng,
+                    mid_epoch=self._steps_in_epoch > 0,
+                    device=self._device,
+                )
                 self._pending_rng = None
                 for batch in batches:
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1
-                    if micro == 0 and rcp.mask_update_due(self._mask_update, step):
-                        rcp.start_mask_recording(
+                    if micro == 0 and mask_update_due(self._mask_update, step):
+                        steps.start_mask_recording(
                             self._model, self._mask_update, step, self._grad_accum
                         )
                     utils.batch_to_device(batch, self._device)
@@ -282,7 +292,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if micro < self._grad_accum:
                         continue
 
-                    lr, grad_norm = rcp.optimizer_step(
+                    lr, grad_norm = steps.optimizer_step(
                         self._model,
                         self._optimizer,
                         self._lr_scheduler,
@@ -292,9 +302,9 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     self.global_step = step
                     self._steps_in_epoch += 1
                     logs = {}
-                    if rcp.mask_update_due(self._mask_update, step):
+                    if mask_update_due(self._mask_update, step):
                         logs.update(
-                            rcp.apply_mask_update(self._model, self._optimizer, self._mask_update, step)
+                            steps.apply_mask_update(self._model, self._optimizer, self._mask_update, step)
                         )
 
                     loss_value = float(running_loss) / max(num_tokens, 1)
@@ -311,7 +321,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                         if grad_norm is not None:
                             logs["grad_norm"] = grad_norm
                         if self._log_peak_memory_stats:
-                            logs.update(rcp.memory_stats(self._device))
+                            logs.update(steps.memory_stats(self._device))
                         self._metric_logger.log_dict(logs, step=step)
                     running_loss, num_tokens, micro = 0.0, 0, 0
                     if self._save_every_n_steps and step % self._save_every_n_steps == 0:

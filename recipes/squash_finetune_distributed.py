@@ -7,7 +7,6 @@ configs/opt_tiny_distributed.yaml`` (installed with squash; torchrun underneath)
 """
 
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,12 @@ from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.modules import get_adapter_buffers
+from squash.modules import get_adapter_buffers, get_adapter_modules
 from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
+from squash.training import data, exports, resume, steps
 from squash.training import distributed as sq_dist
-from squash.training import recipe as rcp
-from squash.training import resume_config, run_dir
+from squash.training import run_dir
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
@@ -36,10 +35,10 @@ from squash.training.config_checks import (
     check_keys,
     check_values,
     get_int,
-    parse_mask_update,
-    to_plain,
 )
-from squash.training.mask_update import cosine_drop_fraction, record_dense_grads
+from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
+from squash.training.mask_update import record_dense_grads
+from squash.training.model_setup import build_adapter_model
 
 log = utils.get_logger("INFO")
 
@@ -130,7 +129,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         self._cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
         self._reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
         self._debug = bool(cfg.get("debug", False))
-        self._mask_update = parse_mask_update(cfg.get("mask_update", None))
+        self._mask_update = MaskUpdateSchedule.from_config(cfg.get("mask_update", None))
         self.epochs_run = 0
         self.global_step = 0
         self._steps_in_epoch = 0
@@ -155,7 +154,9 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
 
         recipe_state, resume_dir = None, None
         if self._resume:
-            resume_dir, recipe_state = resume_config.load_resume_state(self._output_dir, cfg)
+            resume_dir, recipe_state = resume.find_resume_state(
+                self._output_dir, cfg, required=(*resume.COUNTER_KEYS, "world_size")
+            )
             self._restore_counters(recipe_state)
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
 
@@ -177,7 +178,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = rcp.setup_dataloader(
+        self._dataloader = data.setup_dataloader(
             cfg.dataset,
             self._tokenizer,
             batch_size=self._batch_size,
@@ -190,47 +191,34 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"][self.rank])
-        self._steps_per_epoch = rcp.steps_per_epoch(
+        self._steps_per_epoch = data.steps_per_epoch(
             len(self._dataloader),
             batch_size=self._batch_size,
             grad_accum=self._grad_accum,
             max_steps_per_epoch=self.max_steps_per_epoch,
             per_rank=True,
         )
-        self._lr_scheduler = rcp.setup_lr_scheduler(
+        self._lr_scheduler = steps.setup_lr_scheduler(
             cfg.get("lr_scheduler", None),
             self._optimizer,
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
             state=recipe_state,
         )
-        self._profiler = rcp.setup_profiler(cfg.get("profiler", None))
+        self._profiler = steps.setup_profiler(cfg.get("profiler", None))
         self._ignore_labels = torch.full(
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
         self._pending_rng = recipe_state["rng"][self.rank] if recipe_state is not None else None
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
-        for key in ("epochs_run", "global_step", "steps_in_epoch", "seed", "max_steps_per_epoch",
-                    "world_size"):  # fmt: skip
-            if key not in state:
-                raise ValueError(
-                    f"The recipe state to resume from lacks {key!r} (was it written by "
-                    "squash_finetune_distributed?)"
-                )
         if state["world_size"] != self.world_size:
             raise ValueError(
                 f"The checkpoint was written by {state['world_size']} processes, this run has "
                 f"{self.world_size}; resume with --nproc_per_node {state['world_size']} (each "
                 "rank's data position and RNG are in the checkpoint)"
             )
-        if state["max_steps_per_epoch"] != self.max_steps_per_epoch:
-            utils.log_rank_zero(
-                log,
-                f"max_steps_per_epoch is {self.max_steps_per_epoch} in the config but "
-                f"{state['max_steps_per_epoch']} in the checkpoint; using the checkpoint's",
-            )
-            self.max_steps_per_epoch = state["max_steps_per_epoch"]
+        self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
         self.epochs_run = state["epochs_run"]
         self.global_step = state["global_step"]
         self._steps_in_epoch = state["steps_in_epoch"]
@@ -242,10 +230,10 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         cfg_model = cfg.model
         svd = cfg_model.get("init", "lora") == "svd"
         t0 = time.perf_counter()
-        model = rcp.build_adapter_model(
+        model = build_adapter_model(
             cfg_model, device="meta", dtype=self._dtype, mask_update=self._mask_update
         )
-        adapters = ckpt.adapter_modules(model)
+        adapters = get_adapter_modules(model)
         if cfg.get("compile", False):
             training.compile_model(model, verbose=self._is_rank_zero)
         if self._act_ckpt:
@@ -282,6 +270,13 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             base_state_dict = {**base_state_dict, **residual}
         else:
             adapter = initial_adapter_state_dict(model, self.seed)
+        self._layout = exports.adapter_layout(model)
+        # with init: svd, the PEFT export is relative to the original weights; in the model's
+        # dtype, as the single-device recipes read these factors from the model
+        self._svd_init = None
+        if svd:
+            dense = exports.dense_adapter(adapter, self._layout)
+            self._svd_init = {k: v.to(self._dtype) for k, v in dense.items()}
         if resume_dir is not None:
             expected = set(adapter)  # every adapter tensor of the model
             adapter = ckpt.load_squash_adapter(resume_dir)
@@ -303,9 +298,6 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         if self._debug:
             sq_dist.check_replicated(model)
         self._act_ctx = training.get_act_offloading_ctx_manager(model, self._act_offload)
-        self._layout = ckpt.adapter_layout(model)
-        first = next(iter(adapters.values()))
-        self._lora_rank, self._lora_alpha = first.rank, first.alpha
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         utils.log_rank_zero(
             log,
@@ -332,35 +324,38 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         )
         path = None
         if self._is_rank_zero:
-            peft = ckpt.peft_config(self._model_cfg, self._lora_rank, self._lora_alpha)
-            state: Dict[str, Any] = {
-                training.ADAPTER_KEY: ckpt.dense_adapter_from_full(full, self._layout),
-                training.ADAPTER_CONFIG: peft,
-            }
-            if not self._adapter_only:
-                state[training.MODEL_KEY] = ckpt.merged_from_full(full, self._layout, self._dtype)
-            recipe_state = {
-                "epochs_run": self.epochs_run,
-                "global_step": self.global_step,
-                "steps_in_epoch": 0 if at_epoch_end else self._steps_in_epoch,
-                "seed": self.seed,
-                "total_epochs": self.total_epochs,
-                "max_steps_per_epoch": self.max_steps_per_epoch,
-                "world_size": self.world_size,
-                "optimizer": optimizer,
-                "lr_scheduler": self._lr_scheduler.state_dict() if self._lr_scheduler else None,
-                "dataloader": None if at_epoch_end else loaders,
-                "rng": rngs,
-            }
+            model_exports = exports.checkpoint_exports(
+                full,
+                self._layout,
+                self._model_cfg,
+                dtype=self._dtype,
+                adapter_only=self._adapter_only,
+                svd_init=self._svd_init,
+            )
+            recipe_state = resume.recipe_state(
+                {
+                    "epochs_run": self.epochs_run,
+                    "global_step": self.global_step,
+                    "steps_in_epoch": self._steps_in_epoch,
+                    "seed": self.seed,
+                    "total_epochs": self.total_epochs,
+                    "max_steps_per_epoch": self.max_steps_per_epoch,
+                    "world_size": self.world_size,
+                },
+                at_epoch_end=at_epoch_end,
+                optimizer=optimizer,
+                lr_scheduler=self._lr_scheduler,
+                dataloader=loaders,
+                rng=rngs,
+            )
             path = ckpt.write_checkpoint(
                 self._output_dir,
                 name,
                 checkpointer=self._checkpointer,
-                squash_adapter={k: v for k, v in full.items() if ".lora_a." in k or ".lora_b." in k},
-                squash_adapter_config={"model": to_plain(self._model_cfg), **peft},
-                checkpointer_state=state,
+                exports=model_exports,
                 recipe_state=recipe_state,
-                meta={"epoch": epoch, "global_step": self.global_step},
+                epoch=epoch,
+                global_step=self.global_step,
                 adapter_only=self._adapter_only,
             )
             log.info(f"Saved checkpoint {path}")
@@ -369,10 +364,6 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         return path
 
     # ---- training -------------------------------------------------------------------------------
-    def _mask_update_due(self, step: int) -> bool:
-        mu = self._mask_update
-        return mu is not None and step % mu["every_n_steps"] == 0 and step < mu["until_step"]
-
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch.pop("labels")  # (b, s)
         with self._act_ctx:
@@ -405,18 +396,18 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                     total=self._steps_per_epoch, initial=self._steps_in_epoch,
                     disable=not self._is_rank_zero,
                 )  # fmt: skip
-                mid_epoch = self._steps_in_epoch > 0
-                if self._pending_rng is not None and not mid_epoch:
-                    ckpt.set_rng_state(self._pending_rng, self._device)
-                batches = iter(self._dataloader)
-                if self._pending_rng is not None and mid_epoch:
-                    ckpt.set_rng_state(self._pending_rng, self._device)
+                batches = resume.epoch_batches(
+                    self._dataloader,
+                    self._pending_rng,
+                    mid_epoch=self._steps_in_epoch > 0,
+                    device=self._device,
+                )
                 self._pending_rng = None
                 for batch in batches:
                     if self._steps_in_epoch >= self._steps_per_epoch:
                         break
                     step = self.global_step + 1
-                    if micro == 0 and self._mask_update_due(step):
+                    if micro == 0 and mask_update_due(self._mask_update, step):
                         record_dense_grads(self._model, True)
                     utils.batch_to_device(batch, self._device)
                     tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
@@ -439,28 +430,23 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                             f"(epoch {curr_epoch + 1}); stopping before the optimizer step. "
                             f"Last good checkpoint: {last}"
                         )
-                    # FSDP averages gradients over ranks: scale the sum back, then per token
-                    training.scale_grads(self._model, torch.tensor(self.world_size / total_tokens))
-                    grad_norm = None
-                    if self._clip_grad_norm is not None:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(
-                            self._model.parameters(), max_norm=float(self._clip_grad_norm)
-                        )
-                        if hasattr(grad_norm, "full_tensor"):
-                            grad_norm = grad_norm.full_tensor()
-                    lr = self._optimizer.param_groups[0]["lr"]
-                    self._optimizer.step()
-                    self._optimizer.zero_grad(set_to_none=True)
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
+                    lr, grad_norm = steps.optimizer_step(
+                        self._model,
+                        self._optimizer,
+                        self._lr_scheduler,
+                        num_tokens=total_tokens,
+                        clip_grad_norm=self._clip_grad_norm,
+                        world_size=self.world_size,  # FSDP averaged the gradients over ranks
+                    )
                     self.global_step = step
                     self._steps_in_epoch += 1
                     logs = {}
-                    if self._mask_update_due(step):
-                        mu = self._mask_update
-                        drop = cosine_drop_fraction(step, mu["drop_fraction"], mu["until_step"])
+                    if mask_update_due(self._mask_update, step):
                         replaced = sq_dist.update_masks_sharded(
-                            self._model, self._optimizer, drop, self._device
+                            self._model,
+                            self._optimizer,
+                            self._mask_update.drop(step),
+                            self._device,
                         )
                         logs["mask_update/replaced_per_row"] = sum(replaced.values()) / max(
                             len(replaced), 1
@@ -483,9 +469,9 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                             tokens_per_second_per_gpu=total_tokens / (elapsed * self.world_size),
                         )
                         if grad_norm is not None:
-                            logs["grad_norm"] = float(grad_norm)
+                            logs["grad_norm"] = grad_norm
                         if self._log_peak_memory_stats:
-                            logs.update(self._memory_stats())
+                            logs.update(steps.memory_stats(self._device))
                         self._metric_logger.log_dict(logs, step=step)
                     running_loss.zero_()
                     num_tokens.zero_()
@@ -503,12 +489,6 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 running_loss.zero_()
                 num_tokens.zero_()
                 self.save_checkpoint(curr_epoch)
-
-    def _memory_stats(self) -> Dict[str, float]:
-        if self._device.type == "cuda":
-            return training.get_memory_stats(device=self._device)
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, rank 0
-        return {"peak_memory_rss_gib": peak_kib / 1024**2}
 
     def cleanup(self) -> None:
         """Close the metric logger and release ``output_dir``'s lock (rank 0)."""

@@ -1,6 +1,7 @@
 """Modules: ``FFILinear`` (a sparse ``nn.Linear``), ``SparseLoRALinear`` (an adapter module) and
 model surgery that swaps torchtune's ``LoRALinear`` for it."""
 
+from squash.modules.adapter import SparseAdapterModule, get_adapter_modules, is_lora_adapter
 from squash.modules.ffi_linear import FFILinear
 from squash.modules.sparse_lora import SparseLoRALinear, lora_factor
 from squash.modules.surgery import (
@@ -12,9 +13,12 @@ from squash.modules.surgery import (
 
 __all__ = [
     "FFILinear",
+    "SparseAdapterModule",
     "SparseLoRALinear",
     "adapter_state_dict",
     "get_adapter_buffers",
+    "get_adapter_modules",
+    "is_lora_adapter",
     "lora_factor",
     "svd_initialize",
     "swap_lora_linear",

@@ -8,7 +8,7 @@ every row, held as a trainable ``values`` parameter ``(out_features, fan_in)`` a
 """
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -36,11 +36,14 @@ class FFILinear(nn.Module):
     (Kaiming-uniform with ``a=sqrt(5)``, i.e. ``U(-1/sqrt(k), 1/sqrt(k))``), so each output has
     the variance of a dense layer with ``k`` inputs.
 
-    Mask updates need the gradient of the logical dense weight, ``grad_out^T @ x`` summed over
-    tokens. :meth:`record_dense_grad` switches the forward to a dense product through a zero leaf
-    ``(out_features, in_features)`` tensor whose ``.grad`` then accumulates exactly that (also
-    across gradient accumulation and activation checkpointing). It costs one dense
-    ``(out_features, in_features)`` weight, its gradient and the dense matmul, only while enabled.
+    ``forward`` is the op call. Mask updates need the gradient of the logical dense weight,
+    ``grad_out^T @ x`` summed over tokens: :meth:`record_dense_grad` installs a forward hook that
+    computes the output as a dense product through a zero leaf ``(out_features, in_features)``
+    tensor whose ``.grad`` then accumulates exactly that (also across gradient accumulation and
+    activation checkpointing). It costs one dense ``(out_features, in_features)`` weight, its
+    gradient and the dense matmul, only while installed; :meth:`record_grow_candidates` installs
+    one that reduces each backward's gradient to growth candidates. Both hooks are removed when
+    recording stops.
 
     Args:
         in_features (int): input width.
@@ -81,7 +84,6 @@ class FFILinear(nn.Module):
             torch.empty(out_features, fan_in, dtype=index_dtype(in_features), device=device),
         )
         self._dense_probe: Optional[torch.Tensor] = None
-        self._record_dense = False
         self._grow_n = 0  # > 0: the next backwards record growth candidates (mask updates)
         self.grow_candidates: Optional[torch.Tensor] = None
         if indices is None:
@@ -163,21 +165,7 @@ class FFILinear(nn.Module):
                 f"FFILinear: input {tuple(x.shape)} must end in in_features = {self.in_features}"
             )
         x = x.to(self.values.dtype)
-        if self._record_dense and self._dense_probe is None:
-            # made at the first forward, where the values are: under FSDP2 with CPU offload the
-            # module's sharded values live on the CPU, the gathered ones on the accelerator
-            self._dense_probe = torch.zeros(
-                self.out_features, self.in_features, dtype=self.values.dtype,
-                device=x.device, requires_grad=True,
-            )  # fmt: skip
-        if self._dense_probe is not None:
-            weight = self.to_dense() + self._dense_probe  # (out, in); probe.grad = grad_out^T x
-            return nn.functional.linear(x, weight)
-        y = ffi_linear(x, self.values, self.indices, in_features=self.in_features)
-        if self._grow_n > 0 and y.requires_grad:
-            x_seen = x.detach()  # autograd keeps x for the values' gradient anyway
-            y.register_hook(lambda grad: self._record_candidates(x_seen, grad))
-        return y
+        return ffi_linear(x, self.values, self.indices, in_features=self.in_features)
 
     # ---- dense gradient for mask updates -----------------------------------------------------
     def record_dense_grad(self, enabled: bool = True) -> None:
@@ -186,8 +174,8 @@ class FFILinear(nn.Module):
         While enabled, every backward adds ``grad_out^T @ x`` (summed over all leading dims) to
         :attr:`dense_grad`; the values receive the same gradient as on the sparse path.
         """
-        self._record_dense = bool(enabled)
         self._dense_probe = None  # made by the next forward while enabled
+        _set_hook(self, _dense_product, bool(enabled))
 
     def record_grow_candidates(self, n: int) -> None:
         """Record, at each following backward, the ``n`` best columns to grow in every row.
@@ -210,6 +198,7 @@ class FFILinear(nn.Module):
             )
         self._grow_n = n
         self.grow_candidates = None
+        _set_hook(self, _watch_gradient, n > 0)
 
     @torch.no_grad()
     def _record_candidates(self, x: torch.Tensor, grad: torch.Tensor) -> None:
@@ -256,6 +245,40 @@ class FFILinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"fan_in={self.fan_in}, sparsity={self.sparsity:.3f}"
         )
+
+
+def _set_hook(module: nn.Module, hook: Callable, installed: bool) -> None:
+    """Install the forward hook ``hook`` on ``module`` once, or remove it. Found by identity
+    rather than through a stored handle, so that a deep copy of the module (whose hooks are
+    copied with it) switches its own hooks."""
+    for key in [k for k, h in module._forward_hooks.items() if h is hook]:
+        del module._forward_hooks[key]
+    if installed:
+        module.register_forward_hook(hook)
+
+
+def _dense_product(module: FFILinear, args: tuple, y: torch.Tensor) -> torch.Tensor:
+    """(record_dense_grad's forward hook) the output as the dense product through the zero leaf
+    probe, so that ``probe.grad`` accumulates ``grad_out^T @ x`` and the values get their
+    gradient through the same product."""
+    x = args[0].to(module.values.dtype)
+    if module._dense_probe is None:
+        # made at the first forward, where the values are: under FSDP2 with CPU offload the
+        # module's sharded values live on the CPU, the gathered ones on the accelerator
+        module._dense_probe = torch.zeros(
+            module.out_features, module.in_features, dtype=module.values.dtype,
+            device=x.device, requires_grad=True,
+        )  # fmt: skip
+    weight = module.to_dense() + module._dense_probe  # (out, in); probe.grad = grad_out^T x
+    return nn.functional.linear(x, weight)
+
+
+def _watch_gradient(module: FFILinear, args: tuple, y: torch.Tensor) -> None:
+    """(record_grow_candidates' forward hook) reduce the output's gradient to growth
+    candidates during the backward (not while the dense gradient is recorded whole)."""
+    if y.requires_grad and _dense_product not in module._forward_hooks.values():
+        x_seen = args[0].to(module.values.dtype).detach()  # autograd keeps x anyway
+        y.register_hook(lambda grad: module._record_candidates(x_seen, grad))
 
 
 def kaiming_uniform_(

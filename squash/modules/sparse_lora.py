@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
-from torchtune.modules.peft import AdapterModule
 
 from squash._checks import INITS, check_choice, check_int, check_real, check_sparsity
 from squash.modules._nf4 import NF4Tensor, check_nf4_shape, linear_nf4, to_nf4
+from squash.modules.adapter import SparseAdapterModule
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
@@ -52,7 +52,7 @@ def lora_factor(
     return FFILinear(in_features, out_features, k, dtype=dtype, device=device, generator=generator)
 
 
-class SparseLoRALinear(nn.Module, AdapterModule):
+class SparseLoRALinear(nn.Module, SparseAdapterModule):
     """LoRA linear layer whose adapter factors may be Fixed Fan-In sparse.
 
     Behaves like :class:`torchtune.modules.peft.LoRALinear` (same base state-dict keys ``weight``

@@ -14,6 +14,7 @@ from torch import nn
 from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
+from squash.modules.adapter import SparseAdapterModule
 from squash.modules.sparse_lora import SparseLoRALinear
 
 
@@ -98,7 +99,7 @@ def get_adapter_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The FFI index buffers of all adapters, by full name (``...lora_a.indices``)."""
     buffers = {}
     for prefix, module in model.named_modules():
-        if callable(getattr(module, "adapter_buffers", None)):
+        if isinstance(module, SparseAdapterModule):
             named = dict(module.named_buffers())
             for name in module.adapter_buffers():
                 buffers[f"{prefix}.{name}" if prefix else name] = named[name]

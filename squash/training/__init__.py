@@ -1,5 +1,17 @@
-"""What training recipes share: mask updates (prune and regrow at constant fan-in, with the
-optimizer state, and the cosine-decayed drop fraction) and adapter memory accounting.
+"""What training recipes share, one module per job; the recipes call these, never copy them:
+
+- :mod:`~squash.training.model_setup`: the adapted model (and a frozen one) from the config;
+- :mod:`~squash.training.data`: the resumable data loader and the steps an epoch makes;
+- :mod:`~squash.training.steps`: the optimizer step, the lr schedule, profiler and logged stats,
+  and the mask update around a step;
+- :mod:`~squash.training.mask_schedule`: when masks move and by how much;
+- :mod:`~squash.training.mask_update`: prune and regrow at constant fan-in;
+- :mod:`~squash.training.exports`: squash adapter, PEFT adapter and merged weights from one
+  full state dict;
+- :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading;
+- :mod:`~squash.training.resume`: the recipe state, finding it and restoring it;
+- :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers;
+- :mod:`~squash.training.memory`: adapter memory accounting.
 
 The OPT checkpointer lives with the model, in :mod:`squash.models.opt`.
 """

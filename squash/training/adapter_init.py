@@ -15,9 +15,8 @@ import torch
 from torch import nn
 from torchtune.modules.peft import LoRALinear
 
-from squash.modules import SparseLoRALinear
+from squash.modules import SparseLoRALinear, get_adapter_modules
 from squash.modules.ffi_linear import kaiming_uniform_
-from squash.training.checkpoint import adapter_modules
 
 
 def module_generator(seed: int, name: str) -> torch.Generator:
@@ -73,7 +72,7 @@ def initial_adapter_state_dict(model: nn.Module, seed: int) -> Dict[str, torch.T
         ValueError: an adapter that is neither (DoRA, say).
     """
     out = {}
-    for name, module in adapter_modules(model).items():
+    for name, module in get_adapter_modules(model).items():
         generator = module_generator(seed, name)
         if isinstance(module, SparseLoRALinear):
             twin = _fresh_sparse(module)
@@ -111,7 +110,7 @@ def svd_initial_state(
         residual base weights, keyed as in ``model.state_dict()``.
     """
     adapter, residual = {}, {}
-    for name, module in adapter_modules(model).items():
+    for name, module in get_adapter_modules(model).items():
         key = f"{name}.weight"
         if not isinstance(module, SparseLoRALinear) or key not in base_state_dict:
             continue

@@ -10,18 +10,19 @@ either the whole directory or none):
   ``model.state_dict()``, and how to rebuild the model (the ``model`` config block).
 - ``adapter/adapter_model.safetensors`` + ``adapter/adapter_config.json``: the adapter in PEFT's
   format (``PeftModel.from_pretrained(model, "<dir>/adapter")``), every sparse factor written
-  dense (``SparseLoRALinear.dense_factors()``), written by the model's checkpointer (which knows
-  the family's key names); ``adapter/adapter_model.pt`` holds the same dense factors with
-  torchtune's keys. In a subdirectory, because transformers would apply an adapter it finds
+  dense (:func:`squash.training.exports.dense_adapter`), written by the model's checkpointer
+  (which knows the family's key names); ``adapter/adapter_model.pt`` holds what the
+  checkpointer was given: the same dense factors with torchtune's keys. In a subdirectory, because transformers would apply an adapter it finds
   beside merged weights a second time.
-- unless ``adapter_only``: the merged model (``SparseLoRALinear.merged_weight()``, NF4 bases
-  dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
+- unless ``adapter_only``: the merged model (:func:`squash.training.exports.merged_weights`,
+  NF4 bases dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
 - ``checkpoint.json``: epoch and global step, the counters, the sha256 and size of every other
   file and the run's config (:mod:`squash.training.manifest`); written last, so a directory with
   it is complete, and resume and ``squash_eval`` verify the directory against it.
 """
 
+import copy
 import json
 import logging
 import os
@@ -29,13 +30,16 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from squash.training import manifest
+
+if TYPE_CHECKING:
+    from squash.training.exports import Exports
 
 log = logging.getLogger(__name__)
 
@@ -45,184 +49,6 @@ RECIPE_STATE_FILE = "recipe_state.pt"
 CHECKPOINT_META_FILE = "checkpoint.json"
 PEFT_SUBDIR = "adapter"
 _TMP_PREFIX = ".squash-tmp-"
-
-
-# ---- what a model's adapters look like -----------------------------------------------------------
-def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """Every LoRA module of ``model`` by name: squash's ``SparseLoRALinear`` and torchtune's
-    ``LoRALinear`` (anything with ``lora_a``, ``lora_b``, ``scaling`` or ``alpha``/``rank``)."""
-    from squash.modules.surgery import state_dict_key
-
-    return {
-        state_dict_key(name): m  # named as in model.state_dict(), activation checkpointing or not
-        for name, m in model.named_modules()
-        if hasattr(m, "lora_a") and hasattr(m, "lora_b") and hasattr(m, "rank")
-    }
-
-
-def squash_adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapter as squash holds it: every ``lora_a``/``lora_b`` tensor of the state dict
-    (FFI ``values`` and ``indices``, dense factors' ``weight``), detached, on the CPU."""
-    return {
-        k: v.detach().cpu().contiguous()
-        for k, v in model.state_dict().items()
-        if ".lora_a." in k or ".lora_b." in k
-    }
-
-
-def _scaling(module: nn.Module) -> float:
-    return module.alpha / module.rank
-
-
-def _dense_factors(module: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(module, "dense_factors"):
-        return module.dense_factors()
-    return module.lora_a.weight.detach(), module.lora_b.weight.detach()
-
-
-def _base_weight(module: nn.Module) -> torch.Tensor:
-    weight = module.weight
-    if hasattr(weight, "get_original_weight"):  # NF4
-        return weight.get_original_weight()
-    return weight.detach()
-
-
-def dense_adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Both factors of every adapter as dense tensors with ``LoRALinear``'s keys
-    (``<module>.lora_a.weight`` ``(rank, in)``, ``<module>.lora_b.weight`` ``(out, rank)``), on
-    the CPU: what PEFT and torchtune's checkpointers take."""
-    out = {}
-    for name, module in adapter_modules(model).items():
-        a, b = _dense_factors(module)
-        out[f"{name}.lora_a.weight"] = a.detach().cpu().contiguous()
-        out[f"{name}.lora_b.weight"] = b.detach().cpu().contiguous()
-    return out
-
-
-def peft_delta_adapter(
-    now: Dict[str, torch.Tensor], init: Dict[str, torch.Tensor]
-) -> Dict[str, torch.Tensor]:
-    """A dense adapter of twice the rank whose product is ``B A - B0 A0``: what an adapter
-    initialised from the base weights (``init: svd``, which moved ``B0 A0`` out of the base)
-    adds to the *original* weights, so PEFT can apply it to the unmodified pretrained model.
-
-    ``A' = [A; A0]`` ``(2r, in)``, ``B' = [B, -B0]`` ``(out, 2r)``; keep the scaling by doubling
-    ``lora_alpha`` with the rank. Both arguments are :func:`dense_adapter_state_dict` outputs.
-    """
-    out = {}
-    for key, value in now.items():
-        if key.endswith(".lora_a.weight"):
-            out[key] = torch.cat([value, init[key]], dim=0).contiguous()
-        else:
-            out[key] = torch.cat([value, -init[key]], dim=1).contiguous()
-    return out
-
-
-@torch.no_grad()
-def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """The model's base state dict with every adapter merged, on the CPU, in ``dtype``.
-
-    Each adapted linear's ``weight`` becomes ``W + (alpha / rank) * B_dense @ A_dense`` computed
-    in float32 (``merged_weight()`` for ``SparseLoRALinear``; NF4 bases dequantized); adapter
-    keys are dropped; other floating tensors are cast to ``dtype``.
-    """
-    adapters = adapter_modules(model)
-    merged = {}
-    for name, module in adapters.items():
-        if hasattr(module, "merged_weight"):
-            merged[f"{name}.weight"] = module.merged_weight(dtype=torch.float32)
-        else:
-            a, b = _dense_factors(module)
-            merged[f"{name}.weight"] = _base_weight(module).float() + _scaling(module) * (
-                b.float() @ a.float()
-            )
-    out = {}
-    for key, value in model.state_dict().items():
-        if ".lora_a." in key or ".lora_b." in key or key.endswith(".magnitude"):
-            continue
-        value = merged.get(key, value)
-        if hasattr(value, "get_original_weight"):
-            value = value.get_original_weight()
-        value = value.detach().cpu()
-        out[key] = value.to(dtype) if value.is_floating_point() else value
-    return out
-
-
-def peft_config(model_cfg: Any, rank: int, alpha: float) -> Dict[str, Any]:
-    """PEFT's ``adapter_config.json`` fields for a model config block (torchtune's LoRA keys)."""
-    from torchtune.modules.peft import get_lora_module_names
-
-    return {
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": get_lora_module_names(
-            list(model_cfg.lora_attn_modules),
-            model_cfg.get("apply_lora_to_mlp", False),
-            model_cfg.get("apply_lora_to_output", False),
-        ),
-        "peft_type": "LORA",
-    }
-
-
-# ---- the same exports from a full state dict (what an FSDP2 run gathers on rank 0) -------------
-def adapter_layout(model: nn.Module) -> Dict[str, Dict[str, Any]]:
-    """What :func:`dense_adapter_from_full` and :func:`merged_from_full` need to know of each
-    adapter of ``model``: its scaling and, per factor, its input width (the model may be sharded
-    or on the meta device; only its structure is read)."""
-    layout = {}
-    for name, module in adapter_modules(model).items():
-        layout[name] = {
-            "scaling": _scaling(module),
-            "in_features": {
-                "lora_a": module.lora_a.in_features,
-                "lora_b": module.lora_b.in_features,
-            },
-        }
-    return layout
-
-
-def _dense_from_full(
-    full_sd: Dict[str, torch.Tensor], name: str, factor: str, in_features: int
-) -> torch.Tensor:
-    from squash.sparsity.ffi import ffi_to_dense
-
-    prefix = f"{name}.{factor}"
-    if f"{prefix}.indices" in full_sd:
-        return ffi_to_dense(full_sd[f"{prefix}.values"], full_sd[f"{prefix}.indices"], in_features)
-    return full_sd[f"{prefix}.weight"]
-
-
-def dense_adapter_from_full(
-    full_sd: Dict[str, torch.Tensor], layout: Dict[str, Dict[str, Any]]
-) -> Dict[str, torch.Tensor]:
-    """:func:`dense_adapter_state_dict` computed from a full state dict and
-    :func:`adapter_layout`."""
-    out = {}
-    for name, info in layout.items():
-        for factor in ("lora_a", "lora_b"):
-            dense = _dense_from_full(full_sd, name, factor, info["in_features"][factor])
-            out[f"{name}.{factor}.weight"] = dense.detach().cpu().contiguous()
-    return out
-
-
-@torch.no_grad()
-def merged_from_full(
-    full_sd: Dict[str, torch.Tensor], layout: Dict[str, Dict[str, Any]], dtype: torch.dtype
-) -> Dict[str, torch.Tensor]:
-    """:func:`merged_state_dict` computed from a full state dict (NF4 bases already dequantized,
-    as torchtune's ``gather_cpu_state_dict`` returns them) and :func:`adapter_layout`."""
-    adapters = dense_adapter_from_full(full_sd, layout)
-    out = {}
-    for key, value in full_sd.items():
-        if ".lora_a." in key or ".lora_b." in key or key.endswith(".magnitude"):
-            continue
-        name = key[: -len(".weight")] if key.endswith(".weight") else None
-        if name in layout:
-            a, b = adapters[f"{name}.lora_a.weight"], adapters[f"{name}.lora_b.weight"]
-            value = value.float() + layout[name]["scaling"] * (b.float() @ a.float())
-        value = value.detach().cpu()
-        out[key] = value.to(dtype) if value.is_floating_point() else value
-    return out
 
 
 # ---- writing --------------------------------------------------------------------------------------
@@ -236,11 +62,10 @@ def write_checkpoint(
     name: str,
     *,
     checkpointer: Any,
-    squash_adapter: Dict[str, torch.Tensor],
-    squash_adapter_config: Dict[str, Any],
-    checkpointer_state: Dict[str, Any],
+    exports: "Exports",
     recipe_state: Dict[str, Any],
-    meta: Dict[str, Any],
+    epoch: int,
+    global_step: int,
     adapter_only: bool,
 ) -> Path:
     """Write the checkpoint directory ``output_dir/name`` atomically (see the module docstring).
@@ -254,12 +79,12 @@ def write_checkpoint(
         output_dir (Path): the run's output directory.
         name (str): ``epoch_N`` or ``step_N``.
         checkpointer (Any): the model's checkpointer.
-        squash_adapter (Dict[str, torch.Tensor]): squash's adapter tensors.
-        squash_adapter_config (Dict[str, Any]): how to rebuild the model and adapters.
-        checkpointer_state (Dict[str, Any]): what ``checkpointer.save_checkpoint`` takes
+        exports (Exports): what :func:`squash.training.exports.checkpoint_exports` made of the
+            model: squash's adapter and config, and what ``checkpointer.save_checkpoint`` takes
             (``model``, ``adapter``, ``adapter_config``).
-        recipe_state (Dict[str, Any]): tensors and plain values for resume.
-        meta (Dict[str, Any]): ``epoch``/``global_step`` written to ``checkpoint.json``.
+        recipe_state (Dict[str, Any]): :func:`squash.training.resume.recipe_state`.
+        epoch (int): the epoch recorded in ``checkpoint.json``.
+        global_step (int): the global step recorded there (resume picks the highest).
         adapter_only (bool): leave out the merged model.
 
     Returns:
@@ -271,16 +96,7 @@ def write_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}.", dir=output_dir))
     try:
         tmp.chmod(0o755)
-        inner = tmp / "epoch_0"  # where the checkpointer writes when its output_dir is tmp
-        saved_dir = checkpointer._output_dir
-        checkpointer._output_dir = tmp
-        try:
-            checkpointer.save_checkpoint(
-                checkpointer_state, epoch=0, intermediate_checkpoint=False,
-                adapter_only=adapter_only,
-            )  # fmt: skip
-        finally:
-            checkpointer._output_dir = saved_dir
+        inner = _save_hf_files(checkpointer, exports.checkpointer_state, tmp, adapter_only)
         if not inner.is_dir():
             raise RuntimeError(f"{type(checkpointer).__name__} wrote nothing into {inner}")
         # The PEFT adapter goes one level down: transformers' from_pretrained on a directory with
@@ -290,17 +106,32 @@ def write_checkpoint(
         for f in list(inner.iterdir()):
             if f.is_file() and f.name.startswith("adapter_"):
                 os.replace(f, inner / PEFT_SUBDIR / f.name)
-        _save_tensors(squash_adapter, inner / SQUASH_ADAPTER_FILE)
+        _save_tensors(exports.squash_adapter, inner / SQUASH_ADAPTER_FILE)
         (inner / SQUASH_ADAPTER_CONFIG_FILE).write_text(
-            json.dumps(squash_adapter_config, indent=2, sort_keys=True)
+            json.dumps(exports.squash_adapter_config, indent=2, sort_keys=True)
         )
         torch.save(recipe_state, inner / RECIPE_STATE_FILE)
+        meta = {"epoch": epoch, "global_step": global_step}
         manifest.write_meta(inner, meta, recipe_state, output_dir)  # hashes: written last
         _publish(inner)
         _replace_dir(inner, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _save_hf_files(checkpointer: Any, state: Dict[str, Any], directory: Path, adapter_only: bool) -> Path:
+    """Have the model's checkpointer write its Hugging Face files (merged model, PEFT adapter,
+    config and tokenizer files) into ``directory/epoch_0``, and return that path.
+
+    torchtune's checkpointers take no target directory: they write ``<output_dir>/epoch_N``. A
+    shallow copy of the checkpointer is pointed at ``directory``, so the recipe's checkpointer
+    is never changed, whatever happens during the write.
+    """
+    writer = copy.copy(checkpointer)
+    writer._output_dir = Path(directory)
+    writer.save_checkpoint(state, epoch=0, intermediate_checkpoint=False, adapter_only=adapter_only)
+    return Path(directory) / "epoch_0"
 
 
 def _publish(path: Path) -> None:

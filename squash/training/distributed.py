@@ -33,7 +33,11 @@ from torchtune import training
 from squash.modules import FFILinear, get_adapter_buffers
 from squash.modules.surgery import state_dict_key
 from squash.modules._nf4 import NF4Tensor, to_nf4
-from squash.training.mask_update import check_drop_keeps_adapters, prune_and_regrow
+from squash.training.mask_update import (
+    check_drop_keeps_adapters,
+    entries_replaced,
+    prune_and_regrow,
+)
 
 _NF4_SHARDED_PARTS = ("quantized_scalers", "quantization_factor", "quantized_data")
 
@@ -263,13 +267,6 @@ def _write_back(t: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(rows)
 
 
-class _FullState:
-    """What :func:`prune_and_regrow` reads of an optimizer: ``state[values]``."""
-
-    def __init__(self, state):
-        self.state = state
-
-
 @torch.no_grad()
 def update_masks_sharded(
     model: nn.Module,
@@ -294,6 +291,10 @@ def update_masks_sharded(
     Returns:
         Dict[str, int]: entries replaced per row, by module name.
 
+    A factor where nothing moves (``round(drop_fraction * k) = 0``) is skipped, as
+    :func:`~squash.training.update_masks` skips it: it needs no recorded gradient, and no rank
+    takes part in a collective for it (every rank skips the same factors).
+
     Raises:
         ValueError: a module without a recorded dense gradient, or an update that would zero
             both factors of an adapter.
@@ -302,6 +303,10 @@ def update_masks_sharded(
     replaced = {}
     for name, module in model.named_modules():
         if not isinstance(module, FFILinear):
+            continue
+        if entries_replaced(drop_fraction, module.fan_in, module.in_features) == 0:
+            replaced[name] = 0  # nothing moves in this factor: no gradient needed, none reduced
+            module.record_dense_grad(False)
             continue
         grad = module.dense_grad
         if grad is None:
@@ -326,7 +331,7 @@ def update_masks_sharded(
             grad,
             drop_fraction,
             in_features=module.in_features,
-            optimizer=_FullState({values: moments}),
+            optimizer_state=moments,
         )
         _write_back(param, values)
         for key, full in moments.items():

@@ -18,7 +18,7 @@ The dense gradient of an FFI factor is ``grad_out^T @ x`` ``(out, in)``; an
 """
 
 import math
-from typing import Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def prune_and_regrow(
     *,
     in_features: Optional[int] = None,
     grow_candidates: Optional[torch.Tensor] = None,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer_state: Optional[Mapping[str, Any]] = None,
     generator: Optional[torch.Generator] = None,
 ) -> int:
     """Prune-and-regrow every row of one FFI matrix, in place.
@@ -78,7 +78,9 @@ def prune_and_regrow(
         grow_candidates (Optional[torch.Tensor]): ``(out, m)`` absent columns of each row, best
             first, ``m >`` the entries replaced (as :meth:`FFILinear.record_grow_candidates`
             records them); the first of them are grown. Only without ``dense_grad``.
-        optimizer (Optional[torch.optim.Optimizer]): whose state for ``values`` is moved/reset.
+        optimizer_state (Optional[Mapping[str, Any]]): the optimizer's state of ``values``
+            (``optimizer.state[values]``, e.g. AdamW's ``exp_avg`` and ``exp_avg_sq``): every
+            tensor of ``values``' shape in it is moved with its entries, zero where grown.
         generator (Optional[torch.Generator]): CPU generator for random growth.
 
     Returns:
@@ -103,7 +105,7 @@ def prune_and_regrow(
         raise ValueError("give in_features when dense_grad is None")
     validate_ffi(values, indices, in_features, where="mask update (before)")
     out, k = values.shape
-    n = _entries_replaced(drop_fraction, k, in_features)
+    n = entries_replaced(drop_fraction, k, in_features)
     if n == 0:
         return 0
     device = values.device
@@ -139,8 +141,7 @@ def prune_and_regrow(
         return torch.gather(t, 1, gather_src).masked_fill(is_new, 0)
 
     new_values = moved(values)
-    state = optimizer.state.get(values, {}) if optimizer is not None else {}
-    for tensor in state.values():
+    for tensor in (optimizer_state or {}).values():
         if isinstance(tensor, torch.Tensor) and tensor.shape == values.shape:
             tensor.copy_(moved(tensor))
     values.copy_(new_values)
@@ -170,7 +171,7 @@ def _checked_candidates(
     return grown
 
 
-def _entries_replaced(drop_fraction: float, k: int, in_features: int) -> int:
+def entries_replaced(drop_fraction: float, k: int, in_features: int) -> int:
     """Entries of each row that an update replaces: ``round(drop_fraction * k)``, at most the
     number of absent columns."""
     return min(round(drop_fraction * k), in_features - k)
@@ -207,7 +208,7 @@ def record_grow_candidates(model: nn.Module, drop_fraction: float) -> Dict[str, 
     wanted = {}
     for name, module in model.named_modules():
         if isinstance(module, FFILinear):
-            wanted[name] = _entries_replaced(drop_fraction, module.fan_in, module.in_features)
+            wanted[name] = entries_replaced(drop_fraction, module.fan_in, module.in_features)
             module.record_grow_candidates(wanted[name])
     return wanted
 
@@ -259,7 +260,7 @@ def update_masks(
         if not isinstance(module, FFILinear):
             continue
         grad = candidates = None
-        if _entries_replaced(drop_fraction, module.fan_in, module.in_features) == 0:
+        if entries_replaced(drop_fraction, module.fan_in, module.in_features) == 0:
             replaced[name] = 0  # nothing moves in this factor: it needs no gradient
         elif not random_growth:
             grad = (dense_grads or {}).get(name, module.dense_grad)
@@ -278,7 +279,7 @@ def update_masks(
                 drop_fraction,
                 in_features=module.in_features,
                 grow_candidates=candidates,
-                optimizer=optimizer,
+                optimizer_state=optimizer.state.get(module.values) if optimizer else None,
                 generator=generator,
             )
         module.record_dense_grad(False)
@@ -297,7 +298,7 @@ def check_drop_keeps_adapters(model: nn.Module, drop_fraction: float) -> None:
         factors = (getattr(module, "lora_a", None), getattr(module, "lora_b", None))
         if isinstance(module, SparseLoRALinear) and all(isinstance(f, FFILinear) for f in factors):
             if all(
-                _entries_replaced(drop_fraction, f.fan_in, f.in_features) == f.fan_in
+                entries_replaced(drop_fraction, f.fan_in, f.in_features) == f.fan_in
                 for f in factors
             ):
                 raise ValueError(

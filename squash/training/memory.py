@@ -23,7 +23,7 @@ from torch import nn
 from torchtune.modules.peft import get_adapter_params
 
 from squash._checks import SPARSE_FACTORS, check_choice, check_int, check_sparsity
-from squash.modules import FFILinear, get_adapter_buffers
+from squash.modules import FFILinear, get_adapter_buffers, get_adapter_modules
 from squash.sparsity.ffi import fan_in_for, index_dtype
 
 STEP_BYTES = 4  # AdamW's float32 scalar ``step`` per parameter tensor
@@ -101,11 +101,7 @@ def adapter_memory(
 
 def adapted_shapes(model: nn.Module) -> list:
     """``(in_dim, out_dim)`` of every LoRA-adapted linear (torchtune's or squash's) in ``model``."""
-    return [
-        (m.in_dim, m.out_dim)
-        for m in model.modules()
-        if callable(getattr(m, "adapter_params", None)) and hasattr(m, "lora_a")
-    ]
+    return [(m.in_dim, m.out_dim) for m in get_adapter_modules(model).values()]
 
 
 def lora_adapter_memory(

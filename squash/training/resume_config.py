@@ -1,7 +1,8 @@
 """Resume only what was written, and only with the run that wrote it.
 
-:func:`load_resume_state` is the one call a training recipe makes to resume: it finds the newest
-checkpoint in ``output_dir`` (refusing a damaged one rather than silently taking an older one),
+:func:`load_resume_state` (what :func:`squash.training.resume.find_resume_state` calls) finds
+the newest checkpoint in ``output_dir`` (refusing a damaged one rather than silently taking an
+older one),
 verifies every file against ``checkpoint.json`` (:mod:`squash.training.manifest`), loads
 ``recipe_state.pt``, checks its counters, and compares the run's config with the one the
 checkpoint recorded (:func:`config_changes`).

@@ -97,9 +97,10 @@ def test_masks_after_an_update_are_identical_across_ranks_and_moved(runs):
         assert differ == 0 if step == 2 else differ <= 0.01 * rows, (step, differ, rows)
 
 
-def _rebuild(ckpt_dir, quantize_base):
+def _rebuild(ckpt_dir, quantize_base, svd=False):
     """The model as squash_finetune builds it (from squash_adapter_config.json), base weights
-    from the tiny OPT, the adapter loaded as squash_finetune loads one on resume."""
+    from the tiny OPT (with ``svd``: the residual of the same SVD, the base the run trained on),
+    the adapter loaded as squash_finetune loads one on resume."""
     from omegaconf import OmegaConf
     from torchtune import config
 
@@ -107,9 +108,15 @@ def _rebuild(ckpt_dir, quantize_base):
     from squash.training import checkpoint as ckpt
 
     meta = json.loads((ckpt_dir / "squash_adapter_config.json").read_text())
-    model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base)
+    model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base,
+                               init="lora")  # fmt: skip
     base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(ckpt_dir.parent / "reload"))
-    model.load_state_dict(base.load_checkpoint()["model"], strict=False)
+    base_state_dict = base.load_checkpoint()["model"]
+    model.load_state_dict(base_state_dict, strict=False)
+    if svd:
+        from squash.modules import svd_initialize
+
+        svd_initialize(model, base_state_dict)
     ckpt.load_adapter_into(model, ckpt.load_squash_adapter(ckpt_dir), ckpt_dir)
     return model.eval()
 
@@ -196,3 +203,41 @@ def test_a_resume_with_another_number_of_processes_is_refused(runs, tmp_path):
                     config=DIST_CONFIG, nproc=1, check=False)  # fmt: skip
     assert proc.returncode != 0
     assert "written by 2 processes, this run has 1" in proc.stderr + proc.stdout
+
+
+def test_svd_init_peft_adapter_matches_the_single_device_recipes_and_transformers(tmp_path):
+    """``model.init: svd`` on 2 processes exports the PEFT adapter ``squash_finetune`` exports:
+    rank 2r, ``B A - B0 A0`` (the SVD delta) on the original weights, the same tensors; PEFT on
+    transformers' OPT then gives squash's logits."""
+    import transformers
+    from peft import PeftModel
+
+    keys = ["epochs=1", "max_steps_per_epoch=2", "model.init=svd", "~mask_update",
+            "save_adapter_weights_only=True", "save_every_n_steps=null"]  # fmt: skip
+    # One thread, as torchrun gives each rank: the SVD of the tiny OPT's random weights has
+    # near-equal singular values, whose vectors LAPACK resolves differently on other thread counts
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    tune_run(tmp_path / "single", *keys, "batch_size=8", env=one_thread)
+    tune_run(tmp_path / "dist", *keys, "batch_size=4", recipe=RECIPE, config=DIST_CONFIG, nproc=2,
+             env=one_thread)  # fmt: skip
+    single, dist = tmp_path / "single" / "epoch_0", tmp_path / "dist" / "epoch_0"
+    configs = [json.loads((d / "adapter" / "adapter_config.json").read_text()) for d in (single, dist)]
+    assert [(c["r"], c["lora_alpha"]) for c in configs] == [(64, 128)] * 2  # 2 x (32, 64)
+    a = load_file(single / "adapter" / "adapter_model.safetensors")
+    b = load_file(dist / "adapter" / "adapter_model.safetensors")
+    assert sorted(a) == sorted(b) and len(a) == 24
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=key)
+
+    tokens = torch.randint(3, 1024, (2, 40), generator=torch.Generator().manual_seed(7))
+    for run in (single, dist):  # each run's PEFT adapter on the original weights
+        ours = _rebuild(run, quantize_base=False, svd=True)
+        hf = transformers.OPTForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+        with torch.no_grad():
+            base = hf(tokens).logits
+        peft_model = PeftModel.from_pretrained(hf, run / "adapter").eval()
+        with torch.no_grad():
+            mine, theirs = ours(tokens), peft_model(tokens).logits
+        assert (mine - theirs).abs().max() <= 1e-4, run
+        assert (base - theirs).abs().max() > 1e-3  # the trained adapter is not a no-op

@@ -8,6 +8,8 @@ import torch
 
 from squash.modules import SparseLoRALinear
 from squash.training import checkpoint as ckpt
+from squash.training import exports
+from squash.training.exports import Exports
 
 
 class _Writer:
@@ -27,9 +29,9 @@ class _Writer:
 
 def _write(out, name, step, crash=False):
     return ckpt.write_checkpoint(
-        out, name, checkpointer=_Writer(out, crash), squash_adapter={"x.lora_a.values": torch.ones(2)},
-        squash_adapter_config={"r": 1}, checkpointer_state={}, recipe_state={"global_step": step},
-        meta={"epoch": 0, "global_step": step}, adapter_only=False,
+        out, name, checkpointer=_Writer(out, crash),
+        exports=Exports({"x.lora_a.values": torch.ones(2)}, {"r": 1}, {}),
+        recipe_state={"global_step": step}, epoch=0, global_step=step, adapter_only=False,
     )
 
 
@@ -97,8 +99,9 @@ def test_merged_state_dict_is_base_plus_scaled_product_of_dense_factors():
     model = torch.nn.ModuleDict({"proj": module})
     a_dense = torch.zeros(4, 32).scatter_(1, module.lora_a.indices.long(), module.lora_a.values)
     expected = module.weight + 2.0 * module.lora_b.weight @ a_dense  # alpha / rank = 2
-    merged = ckpt.merged_state_dict(model, torch.float32)
+    layout = exports.adapter_layout(model)
+    merged = exports.merged_weights(model.state_dict(), layout, torch.float32)
     assert sorted(merged) == ["proj.bias", "proj.weight"]
     torch.testing.assert_close(merged["proj.weight"], expected)
-    dense = ckpt.dense_adapter_state_dict(model)
+    dense = exports.dense_adapter(model.state_dict(), layout)
     torch.testing.assert_close(dense["proj.lora_a.weight"], a_dense)

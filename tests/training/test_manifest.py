@@ -14,6 +14,7 @@ import torch
 
 from squash.training import checkpoint as ckpt
 from squash.training import manifest
+from squash.training.exports import Exports
 from squash.training.run_dir import RunLock
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +37,9 @@ COUNTERS = {"epochs_run": 0, "global_step": 3, "steps_in_epoch": 3, "seed": 7, "
 
 def _write(out, name="step_3"):
     return ckpt.write_checkpoint(
-        out, name, checkpointer=_Writer(out), squash_adapter={"x.lora_a.values": torch.ones(4)},
-        squash_adapter_config={"r": 1}, checkpointer_state={},
-        recipe_state={**COUNTERS, "optimizer": {"state": {}}}, meta={"epoch": 0, "global_step": 3},
+        out, name, checkpointer=_Writer(out),
+        exports=Exports({"x.lora_a.values": torch.ones(4)}, {"r": 1}, {}),
+        recipe_state={**COUNTERS, "optimizer": {"state": {}}}, epoch=0, global_step=3,
         adapter_only=False,
     )
 
@@ -119,13 +120,13 @@ import resource, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
 from tests.training.test_manifest import _Writer
 from squash.training import checkpoint as ckpt
+from squash.training.exports import Exports
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 try:
     ckpt.write_checkpoint(sys.argv[1], "step_1", checkpointer=_Writer(sys.argv[1]),
-        squash_adapter={"a.lora_a.values": torch.ones(10)}, squash_adapter_config={},
-        checkpointer_state={}, recipe_state={"big": torch.ones(100_000)},
-        meta={"epoch": 0, "global_step": 1}, adapter_only=False)
+        exports=Exports({"a.lora_a.values": torch.ones(10)}, {}, {}),
+        recipe_state={"big": torch.ones(100_000)}, epoch=0, global_step=1, adapter_only=False)
 except OSError as e:
     print("OSError:", e)
 """

@@ -84,7 +84,7 @@ def test_optimizer_state_moves_and_resets_by_hand():
     grad = torch.tensor([[0.0, 9.0, 0.8, 7.0, 0.8, 0.0, 0.1, 0.8]])
     # Drop 2: |0.05| (col 6) and |-0.1| (col 3). Grow 2 among absent cols 0, 2, 4, 7: the |g| tie
     # 0.8 at 2, 4, 7 goes to the lower columns 2 and 4 (col 3 had a large gradient but was present).
-    prune_and_regrow(values, indices, grad, 0.5, optimizer=opt)
+    prune_and_regrow(values, indices, grad, 0.5, optimizer_state=opt.state[values])
     assert indices.tolist() == [[1, 2, 4, 5]]
     assert values.detach().tolist() == [[0.5, 0.0, 0.0, 2.0]]
     assert state["exp_avg"].tolist() == [[10.0, 0.0, 0.0, 30.0]]

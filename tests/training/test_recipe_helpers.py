@@ -1,4 +1,4 @@
-"""The recipes' shared set-up pieces in squash.training.recipe, against hand-computed values and
+"""The recipes' shared set-up pieces (squash.training.data, .steps, .model_setup, .mask_schedule), against hand-computed values and
 torchtune's own scheduler stepped by hand."""
 
 import pytest
@@ -6,22 +6,24 @@ import torch
 from omegaconf import OmegaConf
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
-from squash.training import recipe as rcp
+from squash.training import data, steps
+from squash.training.mask_schedule import MaskUpdateSchedule
+from squash.training.model_setup import load_all_but_adapters
 from squash.training.config_checks import ConfigKeyError
 
 
 def test_steps_per_epoch_is_whole_accumulations_capped():
-    assert rcp.steps_per_epoch(10, batch_size=4, grad_accum=3, max_steps_per_epoch=None) == 3
-    assert rcp.steps_per_epoch(10, batch_size=4, grad_accum=3, max_steps_per_epoch=2) == 2
-    assert rcp.steps_per_epoch(10, batch_size=4, grad_accum=1, max_steps_per_epoch=50) == 10
+    assert data.steps_per_epoch(10, batch_size=4, grad_accum=3, max_steps_per_epoch=None) == 3
+    assert data.steps_per_epoch(10, batch_size=4, grad_accum=3, max_steps_per_epoch=2) == 2
+    assert data.steps_per_epoch(10, batch_size=4, grad_accum=1, max_steps_per_epoch=50) == 10
 
 
 def test_steps_per_epoch_refuses_an_epoch_without_a_step():
     with pytest.raises(ConfigKeyError, match=r"2 batches of batch_size=4 make no optimizer step "
                                              r"with gradient_accumulation_steps=3"):
-        rcp.steps_per_epoch(2, batch_size=4, grad_accum=3, max_steps_per_epoch=None)
+        data.steps_per_epoch(2, batch_size=4, grad_accum=3, max_steps_per_epoch=None)
     with pytest.raises(ConfigKeyError, match="batch_size=4 per rank make no optimizer step"):
-        rcp.steps_per_epoch(2, batch_size=4, grad_accum=3, max_steps_per_epoch=None,
+        data.steps_per_epoch(2, batch_size=4, grad_accum=3, max_steps_per_epoch=None,
                             per_rank=True)
 
 
@@ -34,7 +36,7 @@ def test_lr_scheduler_starts_at_the_step_after_global_step():
         "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
         "num_warmup_steps": 3,
     })
-    assert rcp.setup_lr_scheduler(None, _optimizer(), num_training_steps=20, global_step=0) is None
+    assert steps.setup_lr_scheduler(None, _optimizer(), num_training_steps=20, global_step=0) is None
     for done in (0, 2, 7):
         by_hand = _optimizer()
         sched = get_cosine_schedule_with_warmup(by_hand, num_warmup_steps=3, num_training_steps=20)
@@ -44,7 +46,7 @@ def test_lr_scheduler_starts_at_the_step_after_global_step():
         opt = _optimizer()
         if done:  # a resumed run loads the optimizer's state first, as the recipes do
             opt.load_state_dict(by_hand.state_dict())
-        rcp.setup_lr_scheduler(cfg, opt, num_training_steps=20, global_step=done)
+        steps.setup_lr_scheduler(cfg, opt, num_training_steps=20, global_step=done)
         assert opt.param_groups[0]["lr"] == pytest.approx(by_hand.param_groups[0]["lr"], abs=1e-12)
 
 
@@ -61,7 +63,7 @@ def test_lr_scheduler_restores_a_saved_state():
     state = {"lr_scheduler": sched.state_dict()}
     resumed = _optimizer()
     resumed.load_state_dict(opt.state_dict())
-    restored = rcp.setup_lr_scheduler(cfg, resumed, num_training_steps=20, global_step=5,
+    restored = steps.setup_lr_scheduler(cfg, resumed, num_training_steps=20, global_step=5,
                                       state=state)
     assert restored.state_dict()["last_epoch"] == 5
     assert restored.get_last_lr() == pytest.approx(sched.get_last_lr())
@@ -72,10 +74,23 @@ def test_load_all_but_adapters_names_what_does_not_fit():
     model = torch.nn.ModuleDict({"q": layer})
     adapter = layer["lora_a"].weight.detach().clone()
     weights = {"q.base.weight": torch.ones(2, 2), "q.base.bias": torch.zeros(2)}
-    rcp.load_all_but_adapters(model, weights, "x")
+    load_all_but_adapters(model, weights, "x")
     assert torch.equal(layer["base"].weight, torch.ones(2, 2))
     assert torch.equal(layer["lora_a"].weight, adapter)  # the adapter keeps its values
     with pytest.raises(ValueError,
                        match=r"the base: missing \['q.base.bias'\], unexpected \['x'\]"):
-        rcp.load_all_but_adapters(model, {"q.base.weight": torch.ones(2, 2), "x": torch.ones(1)},
+        load_all_but_adapters(model, {"q.base.weight": torch.ones(2, 2), "x": torch.ones(1)},
                                   "the base")
+
+
+def test_the_mask_update_schedule_is_due_every_n_steps_before_until_step_with_a_cosine_drop():
+    import math
+
+    schedule = MaskUpdateSchedule.from_config(
+        OmegaConf.create({"every_n_steps": 3, "drop_fraction": 0.4, "until_step": 10})
+    )
+    assert MaskUpdateSchedule.from_config(None) is None
+    assert [s for s in range(1, 15) if schedule.due(s)] == [3, 6, 9]
+    for step in (3, 6, 9):
+        assert schedule.drop(step) == pytest.approx(0.2 * (1 + math.cos(math.pi * step / 10)))
+    assert schedule.drop(10) == 0.0

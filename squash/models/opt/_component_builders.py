@@ -49,7 +49,7 @@ from squash.models.opt._decoder import (
     OPTLearnedPositionalEmbedding,
     OPTPostNormLayer,
 )
-from squash.modules import SparseLoRALinear
+from squash.modules import SparseLoRALinear, get_adapter_modules
 from squash.modules._nf4 import check_nf4_shape
 
 
@@ -480,11 +480,7 @@ def _init_base_(module: nn.Module, init_std: float) -> nn.Module:
 def _init_non_adapter_weights_(model: nn.Module, init_std: float) -> None:
     """OPT's init for every linear and embedding outside the adapters (whose bases were
     initialised when built, and whose factors keep LoRA's init)."""
-    adapters = [
-        f"{name}."
-        for name, m in model.named_modules()
-        if callable(getattr(m, "adapter_params", None))
-    ]
+    adapters = [f"{name}." for name in get_adapter_modules(model)]
     for name, module in model.named_modules():
         if any(name.startswith(prefix) for prefix in adapters):
             continue

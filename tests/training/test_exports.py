@@ -1,12 +1,14 @@
-"""The exports of a checkpoint computed from a gathered full state dict (the FSDP2 recipe) equal
-those computed from the model itself (the single-device recipe)."""
+"""squash.training.exports: the exports of a checkpoint from a gathered full state dict (the FSDP2
+recipe) equal those from ``model.state_dict()`` (the single-device recipes), and both equal the
+adapter modules' own dense factors and merged weights."""
 
 import pytest
 import torch
 
 from squash.models.opt import qlora_opt_tiny, squash_opt_tiny
 from squash.modules._nf4 import NF4Tensor
-from squash.training import checkpoint as ckpt
+from squash.modules import get_adapter_modules
+from squash.training import exports
 
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
@@ -41,19 +43,33 @@ def _full(model):
 def test_exports_from_the_full_state_dict_equal_those_from_the_model(build):
     torch.manual_seed(0)
     model = _trained(build())
-    layout = ckpt.adapter_layout(model)
+    layout = exports.adapter_layout(model)
     full = _full(model)
-    dense_model = ckpt.dense_adapter_state_dict(model)
-    dense_full = ckpt.dense_adapter_from_full(full, layout)
+    dense_model = exports.dense_adapter(model.state_dict(), layout)
+    dense_full = exports.dense_adapter(full, layout)
     assert sorted(dense_model) == sorted(dense_full)
     for key in dense_model:
         assert torch.equal(dense_model[key], dense_full[key]), key
-    merged_model = ckpt.merged_state_dict(model, torch.bfloat16)
-    merged_full = ckpt.merged_from_full(full, layout, torch.bfloat16)
+    merged_model = exports.merged_weights(model.state_dict(), layout, torch.bfloat16)
+    merged_full = exports.merged_weights(full, layout, torch.bfloat16)
     assert sorted(merged_model) == sorted(merged_full)
     for key in merged_model:
         assert merged_full[key].dtype == merged_model[key].dtype
         torch.testing.assert_close(merged_full[key], merged_model[key], rtol=0, atol=0)
+    # against the modules: SparseLoRALinear's dense_factors()/merged_weight(), LoRALinear's
+    # weights and W + (alpha / rank) B A by hand
+    for name, module in get_adapter_modules(model).items():
+        if hasattr(module, "dense_factors"):
+            a, b = module.dense_factors()
+            want = module.merged_weight(dtype=torch.float32)
+        else:
+            a, b = module.lora_a.weight, module.lora_b.weight
+            base = module.weight
+            base = base.get_original_weight() if isinstance(base, NF4Tensor) else base
+            want = base.float() + (module.alpha / module.rank) * (b.float() @ a.float())
+        assert torch.equal(dense_full[f"{name}.lora_a.weight"], a.detach()), name
+        assert torch.equal(dense_full[f"{name}.lora_b.weight"], b.detach()), name
+        torch.testing.assert_close(merged_full[f"{name}.weight"], want.to(torch.bfloat16))
     # the merge is not a no-op
     base = full["layers.0.attn.q_proj.weight"].to(torch.bfloat16)
     assert not torch.equal(merged_full["layers.0.attn.q_proj.weight"], base)
@@ -69,7 +85,9 @@ def test_exports_are_keyed_as_the_state_dict_under_activation_checkpointing():
     torch.manual_seed(0)
     model = _trained(squash_opt_tiny(ATTN, True, lora_rank=8, lora_alpha=16, quantize_base=True,
                                      sparsity=0.9))  # fmt: skip
-    plain_merged = ckpt.merged_state_dict(model, torch.float32)
+    plain_merged = exports.merged_weights(
+        model.state_dict(), exports.adapter_layout(model), torch.float32
+    )
     plain_adapter = adapter_state_dict(model)
     training.set_activation_checkpointing(
         model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
@@ -77,10 +95,26 @@ def test_exports_are_keyed_as_the_state_dict_under_activation_checkpointing():
     assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
     keys = set(model.state_dict())
     assert set(adapter_state_dict(model)) == set(plain_adapter) <= keys
-    assert set(ckpt.dense_adapter_state_dict(model)) <= keys | {
+    layout = exports.adapter_layout(model)
+    assert set(exports.dense_adapter(model.state_dict(), layout)) <= keys | {
         k.replace(".values", ".weight") for k in keys
     }
-    merged = ckpt.merged_state_dict(model, torch.float32)
+    merged = exports.merged_weights(model.state_dict(), layout, torch.float32)
     assert sorted(merged) == sorted(plain_merged)
     for key in merged:
         assert torch.equal(merged[key], plain_merged[key]), key
+
+
+def test_the_peft_adapter_of_an_svd_init_is_twice_the_rank_and_adds_b_a_minus_b0_a0():
+    g = torch.Generator().manual_seed(1)
+    now = {"m.lora_a.weight": torch.randn(3, 7, generator=g),
+           "m.lora_b.weight": torch.randn(5, 3, generator=g)}  # fmt: skip
+    init = {k: torch.randn(v.shape, generator=g) for k, v in now.items()}
+    config = {"r": 3, "lora_alpha": 6.0, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    assert exports.peft_adapter(now, config) == (now, config)
+    adapter, out = exports.peft_adapter(now, config, init)
+    assert out == dict(config, r=6, lora_alpha=12.0)  # the scaling alpha / r kept
+    a, b = adapter["m.lora_a.weight"], adapter["m.lora_b.weight"]
+    assert a.shape == (6, 7) and b.shape == (5, 6)
+    want = now["m.lora_b.weight"] @ now["m.lora_a.weight"] - init["m.lora_b.weight"] @ init["m.lora_a.weight"]
+    torch.testing.assert_close(b @ a, want)

@@ -1,0 +1,102 @@
+"""The data a training recipe reads: a stateful (resumable) loader over the ``dataset`` block,
+sharded over ranks for a distributed run, and the optimizer steps an epoch of it makes."""
+
+from functools import partial
+from typing import Any, Optional
+
+from omegaconf import ListConfig
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+
+from squash.training.config_checks import ConfigKeyError, NamedRecordErrors, dataset_where
+
+
+def setup_dataloader(
+    cfg_dataset: Any,
+    tokenizer: Any,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    collate_fn: Optional[str] = None,
+    ignore_index: int = -100,
+    drop_last: bool = True,
+    num_replicas: int = 1,
+    rank: int = 0,
+) -> StatefulDataLoader:
+    """A stateful (resumable) data loader over ``cfg_dataset`` (one dataset block or a list).
+
+    With ``num_replicas`` N, rank r takes samples r, r + N, r + 2N, ... of the seeded
+    permutation: N ranks with ``batch_size`` b see, step by step, the samples one device sees
+    with batch size N * b.
+
+    Raises:
+        ConfigKeyError: if the data lacks a column the dataset needs, naming the columns it has.
+    """
+    try:
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset([config.instantiate(c, tokenizer) for c in cfg_dataset])
+            packed = getattr(ds, "packed", False)
+        else:
+            ds = config.instantiate(cfg_dataset, tokenizer)
+            packed = cfg_dataset.get("packed", False)
+        ds = NamedRecordErrors(ds, dataset_where(cfg_dataset))
+        ds[0]  # a missing column shows here, not deep inside the first step
+    except KeyError as e:
+        columns = dataset_columns(cfg_dataset)
+        raise ConfigKeyError(
+            f"dataset: the data has no column {e}; its columns are {columns}. "
+            "Map yours with dataset.column_map (e.g. column_map: {input: my_input})"
+        ) from e
+    collate = _get_component_from_path(collate_fn or "torchtune.data.padded_collate_sft")
+    if not packed:
+        collate = partial(collate, padding_idx=tokenizer.pad_id, ignore_idx=ignore_index)
+    sampler = StatefulDistributedSampler(
+        ds, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+    )
+    return StatefulDataLoader(
+        dataset=ds,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate if not packed else padded_collate_packed,
+        drop_last=drop_last,
+    )
+
+
+def dataset_columns(cfg_dataset: Any) -> Any:
+    """Column names of a dataset config's data, for an error message (best effort)."""
+    try:
+        from datasets import load_dataset
+
+        node = cfg_dataset[0] if isinstance(cfg_dataset, ListConfig) else cfg_dataset
+        kwargs = {k: v for k, v in node.items() if k in ("data_files", "name", "split")}
+        return load_dataset(node.source, **kwargs).column_names
+    except Exception:  # the message is still useful without them
+        return "unknown"
+
+
+def steps_per_epoch(
+    num_batches: int,
+    *,
+    batch_size: int,
+    grad_accum: int,
+    max_steps_per_epoch: Optional[int],
+    per_rank: bool = False,
+) -> int:
+    """Optimizer steps an epoch of ``num_batches`` batches makes, at most ``max_steps_per_epoch``.
+
+    Raises:
+        ConfigKeyError: if the batches make no optimizer step.
+    """
+    steps = num_batches // grad_accum
+    if steps == 0:
+        raise ConfigKeyError(
+            f"dataset: {num_batches} batches of batch_size={batch_size}"
+            f"{' per rank' if per_rank else ''} make no optimizer step with "
+            f"gradient_accumulation_steps={grad_accum}"
+        )
+    return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)

@@ -1,0 +1,196 @@
+"""What a checkpoint exports of an adapted model: the squash adapter, the PEFT adapter and the
+merged weights, all computed from one full state dict.
+
+The full state dict is ``model.state_dict()`` on one device, or what an FSDP2 run gathers on
+rank 0 (``training.gather_cpu_state_dict``); :func:`adapter_layout` reads what the tensors do not
+say (each adapter's scaling, rank and factor widths) from the model's structure, which may be
+sharded or on the meta device. Every recipe calls :func:`checkpoint_exports`, so the files a
+checkpoint holds cannot differ between recipes; the family's checkpointer maps the keys (OPT's,
+or torchtune's HF checkpointer for Llama and the others).
+
+- :func:`dense_adapter` is the one FFI -> dense conversion of an adapter state dict.
+- :func:`merged_weights` is the one merge: ``W + (alpha / rank) * B_dense @ A_dense`` in float32.
+- :func:`peft_adapter` applies the SVD delta (``model.init: svd``) in the one place it is done.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+from torchtune import training
+
+from squash.sparsity.ffi import ffi_to_dense
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """What the exports need to know of one adapter that its tensors do not say."""
+
+    rank: int
+    alpha: float
+    in_features: Tuple[int, int]  # input width of lora_a, of lora_b (the rank)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def adapter_layout(model: nn.Module) -> Dict[str, AdapterLayout]:
+    """Every adapter of ``model`` by its state-dict name (only the structure is read)."""
+    from squash.modules import get_adapter_modules
+
+    return {
+        name: AdapterLayout(
+            rank=module.rank,
+            alpha=module.alpha,
+            in_features=(module.lora_a.in_features, module.lora_b.in_features),
+        )
+        for name, module in get_adapter_modules(model).items()
+    }
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a state-dict key belongs to a LoRA factor (``.lora_a.`` or ``.lora_b.``)."""
+    return ".lora_a." in key or ".lora_b." in key
+
+
+def squash_adapter(full_sd: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The adapter as squash holds it (FFI ``values`` and ``indices``, dense ``weight``),
+    detached, contiguous, on the CPU."""
+    return {k: v.detach().cpu().contiguous() for k, v in full_sd.items() if is_adapter_key(k)}
+
+
+def dense_adapter(
+    full_sd: Mapping[str, torch.Tensor], layout: Mapping[str, AdapterLayout]
+) -> Dict[str, torch.Tensor]:
+    """Both factors of every adapter as dense tensors with ``LoRALinear``'s keys
+    (``<module>.lora_a.weight`` ``(rank, in)``, ``<module>.lora_b.weight`` ``(out, rank)``), on the
+    CPU: what PEFT and torchtune's checkpointers take. FFI factors are scattered to dense."""
+    out = {}
+    for name, info in layout.items():
+        for factor, width in zip(("lora_a", "lora_b"), info.in_features):
+            prefix = f"{name}.{factor}"
+            if f"{prefix}.indices" in full_sd:
+                dense = ffi_to_dense(full_sd[f"{prefix}.values"], full_sd[f"{prefix}.indices"], width)
+            else:
+                dense = full_sd[f"{prefix}.weight"]
+            out[f"{prefix}.weight"] = dense.detach().cpu().contiguous()
+    return out
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    if hasattr(value, "get_original_weight"):  # NF4
+        value = value.get_original_weight()
+    return value.detach().cpu()
+
+
+@torch.no_grad()
+def merged_weights(
+    full_sd: Mapping[str, torch.Tensor], layout: Mapping[str, AdapterLayout], dtype: torch.dtype
+) -> Dict[str, torch.Tensor]:
+    """The base state dict with every adapter merged, on the CPU: each adapted ``weight``
+    becomes ``W + (alpha / rank) * B_dense @ A_dense`` computed in float32 (NF4 bases
+    dequantized); adapter keys (and DoRA magnitudes) are dropped; floating tensors in ``dtype``."""
+    adapters = dense_adapter(full_sd, layout)
+    out = {}
+    for key, value in full_sd.items():
+        if is_adapter_key(key) or key.endswith(".magnitude"):
+            continue
+        value = _plain(value)
+        name = key[: -len(".weight")] if key.endswith(".weight") else None
+        if name in layout:
+            a, b = adapters[f"{name}.lora_a.weight"], adapters[f"{name}.lora_b.weight"]
+            value = value.float() + layout[name].scaling * (b.float() @ a.float())
+        out[key] = value.to(dtype) if value.is_floating_point() else value
+    return out
+
+
+def peft_config(model_cfg: Any, layout: Mapping[str, AdapterLayout]) -> Dict[str, Any]:
+    """PEFT's ``adapter_config.json`` fields for a model config block (torchtune's LoRA keys),
+    rank and alpha of the first adapter."""
+    from torchtune.modules.peft import get_lora_module_names
+
+    first = next(iter(layout.values()))
+    return {
+        "r": first.rank,
+        "lora_alpha": first.alpha,
+        "target_modules": get_lora_module_names(
+            list(model_cfg.lora_attn_modules),
+            model_cfg.get("apply_lora_to_mlp", False),
+            model_cfg.get("apply_lora_to_output", False),
+        ),
+        "peft_type": "LORA",
+    }
+
+
+def peft_adapter(
+    dense: Dict[str, torch.Tensor],
+    config: Dict[str, Any],
+    svd_init: Optional[Dict[str, torch.Tensor]] = None,
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """The PEFT adapter and its config for the *original* pretrained weights.
+
+    Without ``svd_init`` that is ``dense`` and ``config`` as they are. With ``model.init: svd``
+    (which moved ``B0 A0`` out of the base) it is the adapter of twice the rank whose product is
+    ``B A - B0 A0``: ``A' = [A; A0]`` ``(2r, in)``, ``B' = [B, -B0]`` ``(out, 2r)``, and
+    ``lora_alpha`` doubles with the rank to keep the scaling.
+
+    Args:
+        dense (Dict[str, torch.Tensor]): :func:`dense_adapter` of the trained model.
+        config (Dict[str, Any]): :func:`peft_config`.
+        svd_init (Optional[Dict[str, torch.Tensor]]): :func:`dense_adapter` of the adapters as
+            the SVD initialised them.
+    """
+    if svd_init is None:
+        return dense, config
+    out = {}
+    for key, value in dense.items():
+        if key.endswith(".lora_a.weight"):
+            out[key] = torch.cat([value, svd_init[key]], dim=0).contiguous()
+        else:
+            out[key] = torch.cat([value, -svd_init[key]], dim=1).contiguous()
+    return out, dict(config, r=2 * config["r"], lora_alpha=2 * config["lora_alpha"])
+
+
+@dataclass
+class Exports:
+    """What :func:`squash.training.checkpoint.write_checkpoint` writes of the model."""
+
+    squash_adapter: Dict[str, torch.Tensor]
+    squash_adapter_config: Dict[str, Any]
+    checkpointer_state: Dict[str, Any]  # model (merged), adapter (PEFT, dense), adapter_config
+
+
+def checkpoint_exports(
+    full_sd: Mapping[str, torch.Tensor],
+    layout: Mapping[str, AdapterLayout],
+    model_cfg: Any,
+    *,
+    dtype: torch.dtype,
+    adapter_only: bool,
+    svd_init: Optional[Dict[str, torch.Tensor]] = None,
+) -> Exports:
+    """Everything a checkpoint holds of the model, from one full state dict.
+
+    Args:
+        full_sd (Mapping[str, torch.Tensor]): the model's full state dict.
+        layout (Mapping[str, AdapterLayout]): :func:`adapter_layout` of the model.
+        model_cfg (Any): the ``model`` config block (recorded, to rebuild the model).
+        dtype (torch.dtype): dtype of the merged weights.
+        adapter_only (bool): leave out the merged weights.
+        svd_init (Optional[Dict[str, torch.Tensor]]): with ``model.init: svd``, the dense
+            initial factors (see :func:`peft_adapter`).
+    """
+    from squash.training.config_checks import to_plain
+
+    config = peft_config(model_cfg, layout)
+    adapter, adapter_config = peft_adapter(dense_adapter(full_sd, layout), config, svd_init)
+    state: Dict[str, Any] = {training.ADAPTER_KEY: adapter, training.ADAPTER_CONFIG: adapter_config}
+    if not adapter_only:
+        state[training.MODEL_KEY] = merged_weights(full_sd, layout, dtype)
+    return Exports(
+        squash_adapter=squash_adapter(full_sd),
+        squash_adapter_config={"model": to_plain(model_cfg), **config},
+        checkpointer_state=state,
+    )
