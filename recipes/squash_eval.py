@@ -27,9 +27,16 @@ from torchtune.recipe_interfaces import EvalRecipeInterface
 
 from squash.modules import get_adapter_modules
 from squash.training import checkpoint as ckpt
+from squash.training import run_dir
 from squash.training import data
 from squash.training.run import close_metric_logger, config_errors_in_one_line
-from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
+from squash.training.config_checks import (
+    ConfigKeyError,
+    check_component,
+    check_keys,
+    check_values,
+    get_int,
+)
 from squash.training.model_setup import setup_frozen_model
 
 log = utils.get_logger("INFO")
@@ -67,6 +74,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_keys(cfg, CONFIG_KEYS)
+        check_values(cfg)
         for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size"):
             if cfg.get(key) is None:
                 raise ConfigKeyError(f"Missing config key: {key}")
@@ -84,6 +92,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
                                 ("dataset", 1), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
+        self._run_lock = run_dir.claim(cfg)  # verifies adapter_dir; before anything is written
         self._metric_logger = None
         if cfg.get("metric_logger") is not None:
             self._metric_logger = config.instantiate(cfg.metric_logger)
@@ -173,8 +182,11 @@ class SquashEvalRecipe(EvalRecipeInterface):
         return results
 
     def cleanup(self) -> None:
-        """Close the metric logger (its file is removed if the run logged nothing)."""
+        """Close the metric logger (its file is removed if the run logged nothing) and release
+        ``output_dir``'s lock."""
         close_metric_logger(getattr(self, "_metric_logger", None))
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
 
 
 @config.parse

@@ -18,12 +18,14 @@ from tqdm import tqdm
 
 from squash.export import export_checkpoint, parse_export_config
 from squash.training import checkpoint as ckpt
+from squash.training import resume_config, run_dir
 from squash.training import data, exports, resume, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
+    check_values,
     get_int,
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
@@ -74,6 +76,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_keys(cfg, CONFIG_KEYS)
+        check_values(cfg)
         for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
                     "loss", "epochs", "batch_size"):  # fmt: skip
             if cfg.get(key) is None:
@@ -123,13 +126,14 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                                 ("loss", 0), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
+        self._run_lock = run_dir.claim(cfg)  # before anything is written
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
         ckpt.clean_stale_temporaries(self._output_dir)
         recipe_state, resume_dir = None, None
         if self._resume:
-            resume_dir, recipe_state = resume.find_resume_state(self._output_dir)
+            resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
 
@@ -156,6 +160,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
         if recipe_state is not None:
             self._optimizer.load_state_dict(recipe_state["optimizer"])
+            resume_config.check_optimizer_state(self._model, self._optimizer, resume_dir)
         self._loss_fn = config.instantiate(cfg.loss)
         if cfg.get("compile", False):
             self._loss_fn = training.compile_loss(self._loss_fn)
@@ -350,8 +355,11 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._heldout.report(self._model)
 
     def cleanup(self) -> None:
-        """Close the metric logger (its file is removed if the run logged nothing)."""
+        """Close the metric logger (its file is removed if the run logged nothing) and release
+        ``output_dir``'s lock."""
         close_metric_logger(getattr(self, "_metric_logger", None))
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
 
 
 @config.parse

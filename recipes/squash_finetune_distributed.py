@@ -26,12 +26,14 @@ from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
 from squash.training import data, exports, resume, steps
 from squash.training import distributed as sq_dist
+from squash.training import run_dir
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
+    check_values,
     get_int,
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
@@ -92,6 +94,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_keys(cfg, CONFIG_KEYS)
+        check_values(cfg)
         for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
                     "loss", "epochs", "batch_size"):  # fmt: skip
             if cfg.get(key) is None:
@@ -143,6 +146,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                                 ("loss", 0), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
+        self._run_lock = run_dir.claim(cfg, lock=self._is_rank_zero)  # before anything is written
         if self._is_rank_zero:
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
@@ -152,7 +156,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         recipe_state, resume_dir = None, None
         if self._resume:
             resume_dir, recipe_state = resume.find_resume_state(
-                self._output_dir, required=(*resume.COUNTER_KEYS, "world_size")
+                self._output_dir, cfg, required=(*resume.COUNTER_KEYS, "world_size")
             )
             self._restore_counters(recipe_state)
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
@@ -488,8 +492,11 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 self.save_checkpoint(curr_epoch)
 
     def cleanup(self) -> None:
-        """Close the metric logger (rank 0; its file is removed if the run logged nothing)."""
-        close_metric_logger(self._metric_logger)
+        """Close the metric logger (its file is removed if the run logged nothing) and release
+        ``output_dir``'s lock (rank 0)."""
+        close_metric_logger(getattr(self, "_metric_logger", None))
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
 
 
 @config.parse

@@ -17,7 +17,9 @@ either the whole directory or none):
 - unless ``adapter_only``: the merged model (:func:`squash.training.exports.merged_weights`,
   NF4 bases dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
-- ``checkpoint.json``: epoch and global step; written last, so a directory with it is complete.
+- ``checkpoint.json``: epoch and global step, the counters, the sha256 and size of every other
+  file and the run's config (:mod:`squash.training.manifest`); written last, so a directory with
+  it is complete, and resume and ``squash_eval`` verify the directory against it.
 """
 
 import copy
@@ -33,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from squash.training import manifest
 
 if TYPE_CHECKING:
     from squash.training.exports import Exports
@@ -52,6 +56,7 @@ def _save_tensors(tensors: Dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
 
 
+@manifest.names_write_errors
 def write_checkpoint(
     output_dir: Path,
     name: str,
@@ -107,7 +112,7 @@ def write_checkpoint(
         )
         torch.save(recipe_state, inner / RECIPE_STATE_FILE)
         meta = {"epoch": epoch, "global_step": global_step}
-        (inner / CHECKPOINT_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        manifest.write_meta(inner, meta, recipe_state, output_dir)  # hashes: written last
         _publish(inner)
         _replace_dir(inner, final)
     finally:

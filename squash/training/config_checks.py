@@ -8,6 +8,8 @@ they name, before anything is built.
 
 import difflib
 import inspect
+import typing
+from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -21,7 +23,7 @@ FINETUNE_CONFIG_KEYS = frozenset({
     "dtype", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
     "log_every_n_steps", "log_peak_memory_stats", "profiler", "resume_from_checkpoint",
     "save_adapter_weights_only", "save_every_n_steps", "keep_last_n", "mask_update",
-    "low_cpu_ram", "cudnn_deterministic_mode",
+    "low_cpu_ram", "cudnn_deterministic_mode", "resume_allow_config_change",
 })  # fmt: skip
 MASK_UPDATE_KEYS = frozenset({"every_n_steps", "drop_fraction", "until_step"})
 
@@ -91,6 +93,10 @@ def check_component(node: Any, where: str, *, positional: int = 0) -> None:
         if key != "_component_" and key not in names:
             raise ConfigKeyError(
                 f"{where}.{key}: {path} takes no argument {key!r}{_nearest(key, names)}"
+            )
+        if key != "_component_" and isinstance(node[key], str) and _takes_number(params[key]):
+            raise ConfigKeyError(
+                f"{where}.{key} must be a number ({path} takes a number there), got {node[key]!r}"
             )
 
 
@@ -169,3 +175,132 @@ def validate_config(cfg: DictConfig, valid_keys: Iterable[str]) -> None:
             check_component(value, key, positional=POSITIONAL_ARGS.get(key, 0))
     parse_mask_update(cfg.get("mask_update", None))
     parse_heldout(cfg.get("heldout", None))
+
+
+def _takes_number(param: inspect.Parameter) -> bool:
+    """Whether a parameter takes a number and no string: from its annotation (``float``,
+    ``Optional[int]``, ``Union[float, Tensor]``) or else from a numeric default."""
+    ann = param.annotation
+    if ann is not inspect.Parameter.empty and not isinstance(ann, str):
+        args = set(typing.get_args(ann)) or {ann}
+        return bool(args & {int, float}) and str not in args
+    default = param.default
+    return isinstance(default, (int, float)) and not isinstance(default, bool)
+
+
+def _number(cfg: Mapping, key: str, *, positive: bool) -> None:
+    value = cfg.get(key, None)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0):
+        raise ConfigKeyError(
+            f"{key} must be a number{' > 0' if positive else ''} or null, got {value!r}"
+        )
+
+
+_LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
+
+
+def _check_data_files(node: Mapping, where: str) -> None:
+    if not isinstance(node, Mapping) or node.get("source") not in _LOCAL_LOADERS:
+        return
+    files = node.get("data_files")
+    if isinstance(files, Mapping):
+        files = [f for v in files.values() for f in (v if isinstance(v, (list, ListConfig)) else [v])]
+    elif not isinstance(files, (list, ListConfig)):
+        files = [files]
+    for f in files:
+        if not isinstance(f, str) or any(c in f for c in "*?["):
+            continue  # a glob: the loader reports what it matches
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigKeyError(f"{where}.data_files: {f} does not exist (or is not a file)")
+        if path.stat().st_size == 0:
+            raise ConfigKeyError(f"{where}.data_files: {f} is empty (0 bytes)")
+
+
+def check_values(cfg: Mapping) -> None:
+    """Values every recipe reads before it builds anything, checked where they are given:
+    ``device`` (a GPU device needs a GPU), ``seed``, ``clip_grad_norm``,
+    ``tokenizer.max_seq_len``, and the local files of ``dataset`` (present and not empty).
+    Numbers inside components (``optimizer.lr``) are checked by :func:`check_component`.
+
+    Raises:
+        ConfigKeyError: naming the key (or the file) and what it must be.
+    """
+    import torch
+
+    device = cfg.get("device", None)
+    if isinstance(device, str) and device.split(":")[0] in ("cuda", "rocm", "hip"):
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else (
+                f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only")
+            raise ConfigKeyError(
+                f"device: {device}, but this machine has no usable GPU "
+                f"(torch.cuda.is_available() is False; torch {torch.__version__}, {build}); "
+                "use device: cpu or install a GPU build of torch"
+            )
+    get_int(cfg, "seed", None, minimum=0)
+    _number(cfg, "clip_grad_norm", positive=True)
+    tokenizer = cfg.get("tokenizer", None)
+    if isinstance(tokenizer, Mapping):
+        get_int(tokenizer, "max_seq_len", None, minimum=1, where="tokenizer")
+    dataset = cfg.get("dataset", None)
+    if isinstance(dataset, (list, ListConfig)):
+        for i, node in enumerate(dataset):
+            _check_data_files(node, f"dataset[{i}]")
+    else:
+        _check_data_files(dataset, "dataset")
+
+
+class NamedRecordErrors:
+    """A map-style dataset whose records, when one cannot be turned into a sample (a null
+    ``output``, a value of the wrong type), raise a ``ValueError`` naming the record, the data
+    files and the record's null fields, instead of the transform's own error (torchtune's
+    ``AssertionError: content must be of type List[Dict[str, Any]], got None``).
+
+    A ``KeyError`` (a missing column) passes through unchanged: the recipe names the columns
+    there are. Every other attribute is the wrapped dataset's.
+
+    Args:
+        dataset (Any): the dataset (``len`` and ``[]``).
+        where (str): the config key and data files, for the message.
+    """
+
+    def __init__(self, dataset: Any, where: str) -> None:
+        self._dataset, self._where = dataset, where
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if "_dataset" not in self.__dict__:  # during unpickling
+            raise AttributeError(name)
+        return getattr(self.__dict__["_dataset"], name)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self._dataset[index]
+        except KeyError:
+            raise
+        except Exception as e:
+            raise ValueError(
+                f"{self._where}: record {index} cannot be used{self._nulls(index)} "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+    def _nulls(self, index: int) -> str:
+        try:
+            raw = self._dataset._data[index]
+            nulls = [k for k, v in raw.items() if v is None]
+        except Exception:  # not an HF-backed dataset: the message is useful without it
+            return ""
+        return f": it has null {nulls}" if nulls else ""
+
+
+def dataset_where(cfg_dataset: Any) -> str:
+    """``dataset (data_files ...)``: how messages name a dataset block."""
+    nodes = cfg_dataset if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
+    files = [n.get("data_files") or n.get("source") for n in nodes if isinstance(n, Mapping)]
+    files = [to_plain(f) for f in files]
+    return f"dataset ({files[0] if len(files) == 1 else files})"

@@ -12,7 +12,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
-from squash.training.config_checks import ConfigKeyError
+from squash.training.config_checks import ConfigKeyError, NamedRecordErrors, dataset_where
 
 
 def setup_dataloader(
@@ -44,6 +44,7 @@ def setup_dataloader(
         else:
             ds = config.instantiate(cfg_dataset, tokenizer)
             packed = cfg_dataset.get("packed", False)
+        ds = NamedRecordErrors(ds, dataset_where(cfg_dataset))
         ds[0]  # a missing column shows here, not deep inside the first step
     except KeyError as e:
         columns = dataset_columns(cfg_dataset)

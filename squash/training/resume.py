@@ -53,25 +53,22 @@ def recipe_state(
 
 
 def find_resume_state(
-    output_dir: Path, required: Tuple[str, ...] = COUNTER_KEYS
+    output_dir: Path, cfg: Any, required: Tuple[str, ...] = COUNTER_KEYS
 ) -> Tuple[Path, Dict[str, Any]]:
-    """The newest complete checkpoint in ``output_dir`` and its recipe state.
+    """The newest complete checkpoint in ``output_dir`` and its recipe state, verified
+    (:func:`squash.training.resume_config.load_resume_state`): every file against
+    ``checkpoint.json``, the counters against it, and the run's config ``cfg`` against the one
+    it recorded.
 
     Raises:
         FileNotFoundError: if ``output_dir`` holds no complete checkpoint.
-        ValueError: if its recipe state lacks one of ``required``.
+        CheckpointIntegrityError: a file, ``checkpoint.json`` or a counter that does not match.
+        ValueError: a config change that breaks exactness (naming the override key), a recipe
+            state that lacks one of ``required``.
     """
-    resume_dir = ckpt.latest_checkpoint(output_dir)
-    if resume_dir is None:
-        raise FileNotFoundError(
-            f"resume_from_checkpoint is True but {output_dir} holds no complete "
-            "epoch_N or step_N checkpoint"
-        )
-    state = ckpt.load_recipe_state(resume_dir)
-    for key in required:
-        if key not in state:
-            raise ValueError(f"The recipe state to resume from lacks {key!r}")
-    return resume_dir, state
+    from squash.training.resume_config import load_resume_state
+
+    return load_resume_state(output_dir, cfg, required)
 
 
 def resumed_max_steps(state: Dict[str, Any], max_steps_per_epoch: Optional[int]) -> Optional[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.recipes.conftest import REPO, TINY_CONFIG
+from tests.recipes.conftest import REPO, TINY_CONFIG, rehash_checkpoint
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
@@ -95,7 +95,8 @@ def test_resume_without_a_checkpoint_says_where_it_looked(tmp_path):
 
 
 def test_a_corrupt_adapter_index_is_refused_on_resume(tmp_path):
-    """An unsorted FFI row in the saved adapter: resume raises the FFI rule, it does not train."""
+    """An unsorted FFI row in the saved adapter: resume refuses it, by its hash and, were the
+    hash recorded for it, by the FFI rule; it does not train."""
     from safetensors.torch import load_file, save_file
 
     cfg = _cfg(tmp_path, epochs=1, max_steps_per_epoch=1, save_adapter_weights_only=True)
@@ -109,6 +110,9 @@ def test_a_corrupt_adapter_index_is_refused_on_resume(tmp_path):
     tensors[key][0, :2] = tensors[key][0, :2].flip(0)  # swap two columns of row 0
     save_file(tensors, path)
     cfg.resume_from_checkpoint = True
+    with pytest.raises(ValueError, match=f"{path} does not match"):  # checkpoint.json's sha256
+        _setup(cfg)
+    rehash_checkpoint(path.parent)  # as if the writer had saved the bad row: the FFI check
     with pytest.raises(ValueError, match="increasing"):
         _setup(cfg)
 

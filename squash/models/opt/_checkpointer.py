@@ -265,6 +265,11 @@ class OPTCheckpointer:
             raise ValueError("adapter_only=True but the state dict has no 'adapter' entry")
         if not adapter_only and MODEL_KEY not in state_dict:
             raise ValueError("The state dict has no 'model' entry to save")
+        if not adapter_only and "tok_embeddings.weight" not in state_dict[MODEL_KEY]:
+            raise ValueError(
+                f"The state dict's 'model' entry ({len(state_dict[MODEL_KEY])} keys) has no "
+                "'tok_embeddings.weight': pass the whole model's state dict (squash OPT keys)"
+            )
         final = self._output_dir / f"epoch_{epoch}"
         ckpt, target = self._checkpoint_dir.resolve(), final.resolve()
         if target == ckpt or target in ckpt.parents:

@@ -1,0 +1,175 @@
+"""Resume only what was written, and only with the run that wrote it.
+
+:func:`load_resume_state` (what :func:`squash.training.resume.find_resume_state` calls) finds
+the newest checkpoint in ``output_dir`` (refusing a damaged one rather than silently taking an
+older one),
+verifies every file against ``checkpoint.json`` (:mod:`squash.training.manifest`), loads
+``recipe_state.pt``, checks its counters, and compares the run's config with the one the
+checkpoint recorded (:func:`config_changes`).
+
+A changed key that breaks exactness (anything not in :data:`FREE_KEYS`: batch size,
+accumulation, dataset, seed, model, sparsity, optimizer, schedule, epochs, dtype, ...) is
+refused unless the config sets ``resume_allow_config_change: True``; then the changes are
+logged and the run continues with them (the checkpoint's optimizer state, lr schedule state,
+RNG and seed are still restored from it, so a new ``optimizer.lr`` or ``seed`` does not act).
+"""
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from squash.training import manifest
+
+log = logging.getLogger(__name__)
+
+OVERRIDE_KEY = "resume_allow_config_change"
+# Keys that may change between a run and its resume: where things are written and logged, how
+# often checkpoints are taken, memory trade-offs that do not change the numbers, and
+# max_steps_per_epoch (the checkpoint's value is used, with a warning).
+FREE_KEYS = (
+    "output_dir", "resume_from_checkpoint", OVERRIDE_KEY, "metric_logger", "log_every_n_steps",
+    "log_peak_memory_stats", "profiler", "save_every_n_steps", "keep_last_n",
+    "save_adapter_weights_only", "checkpointer.output_dir", "teacher_checkpointer.output_dir",
+    "max_steps_per_epoch", "enable_activation_checkpointing", "enable_activation_offloading",
+    "fsdp_cpu_offload", "fsdp_reshard_after_forward", "low_cpu_ram", "debug",
+)  # fmt: skip
+
+
+def _flatten(node: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(node, dict):
+        out: Dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def _free(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in FREE_KEYS)
+
+
+def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` for every key outside :data:`FREE_KEYS`
+    whose value differs (a key absent on one side counts as null)."""
+    a, b = _flatten(saved), _flatten(current)
+    return [
+        (k, a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if not _free(k) and a.get(k) != b.get(k)
+    ]
+
+
+def check_config(checkpoint_dir: Path, saved: Optional[Dict[str, Any]], cfg: DictConfig) -> None:
+    """Refuse a resume whose config changes a key that breaks exactness (see the module
+    docstring), unless ``resume_allow_config_change: True``.
+
+    Raises:
+        ValueError: listing each changed key with both values and naming the override key.
+    """
+    if saved is None:
+        if cfg.get(OVERRIDE_KEY, False) is True:
+            log.warning("%s records no run config; resuming unchecked (%s=True)",
+                        Path(checkpoint_dir) / manifest.META_FILE, OVERRIDE_KEY)
+            return
+        raise ValueError(
+            f"{Path(checkpoint_dir) / manifest.META_FILE} records no run config, so the resume "
+            f"cannot be checked against it; set {OVERRIDE_KEY}=True to resume anyway"
+        )
+    changes = config_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+    if not changes:
+        return
+    lines = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, old, new in changes)
+    if cfg.get(OVERRIDE_KEY, False) is True:
+        log.warning(
+            "Resuming from %s with a changed config (%s=True): %s. The run will not reproduce "
+            "an uninterrupted one; the optimizer state, lr schedule, RNG and seed are the "
+            "checkpoint's", checkpoint_dir, OVERRIDE_KEY, lines,
+        )
+        return
+    raise ValueError(
+        f"resume_from_checkpoint: the config differs from the run that wrote {checkpoint_dir} "
+        f"in keys that change the results: {lines}. Resume with the checkpoint's values, or set "
+        f"{OVERRIDE_KEY}=True to continue with the new ones"
+    )
+
+
+def find_checkpoint(output_dir: Path) -> Path:
+    """The newest checkpoint directory (``epoch_N``/``step_N``) in ``output_dir``.
+
+    Raises:
+        FileNotFoundError: if there is none.
+        CheckpointIntegrityError: if one has a missing or damaged ``checkpoint.json`` (it would
+            otherwise be skipped and an older checkpoint resumed without a word).
+    """
+    from squash.training import checkpoint as ckpt
+
+    output_dir = Path(output_dir)
+    for prefix in ("step_", "epoch_"):
+        for _, path in ckpt._numbered(output_dir, prefix) if output_dir.is_dir() else []:
+            if ckpt.read_meta(path) is None:
+                manifest.read_verified_meta(path)  # raises, naming what is wrong
+                raise manifest.CheckpointIntegrityError(
+                    f"{path / manifest.META_FILE} has no global_step; the checkpoint is damaged"
+                )
+    resume_dir = ckpt.latest_checkpoint(output_dir)
+    if resume_dir is None:
+        raise FileNotFoundError(
+            f"resume_from_checkpoint is True but {output_dir} holds no complete "
+            "epoch_N or step_N checkpoint"
+        )
+    return resume_dir
+
+
+def load_resume_state(
+    output_dir: Path, cfg: DictConfig, counters: Tuple[str, ...] = ()
+) -> Tuple[Path, Dict[str, Any]]:
+    """The newest checkpoint of ``output_dir``, verified, and its recipe state.
+
+    Args:
+        output_dir (Path): the run's output directory.
+        cfg (DictConfig): the run's config, compared with the checkpoint's.
+        counters (Tuple[str, ...]): keys the recipe state must hold.
+
+    Returns:
+        Tuple[Path, Dict[str, Any]]: the checkpoint directory and its recipe state.
+
+    Raises:
+        FileNotFoundError: no checkpoint.
+        CheckpointIntegrityError: a file that does not match ``checkpoint.json``, counters that
+            disagree, a damaged ``checkpoint.json``; each names the file.
+        ValueError: a config change that breaks exactness (naming the override key), a recipe
+            state without a counter.
+    """
+    from squash.training import checkpoint as ckpt
+
+    resume_dir = find_checkpoint(output_dir)
+    meta = manifest.verify(resume_dir)
+    state = ckpt.load_recipe_state(resume_dir)
+    for key in counters:
+        if key not in state:
+            raise ValueError(f"The recipe state to resume from lacks {key!r}")
+    manifest.check_counters(resume_dir, meta, state)
+    check_config(resume_dir, meta.get("config"), cfg)
+    return resume_dir, state
+
+
+def check_optimizer_state(model: Any, optimizer: Any, resume_dir: Path) -> None:
+    """After ``optimizer.load_state_dict``: every per-parameter tensor of the restored state
+    (AdamW's moments, ...) has its parameter's shape (torch checks only the number of
+    parameters, and a wrong shape would fail at the first step).
+
+    Raises:
+        ValueError: naming ``recipe_state.pt``, the parameter and both shapes.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if hasattr(value, "shape") and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"{Path(resume_dir) / manifest.RECIPE_STATE}: the optimizer's {key!r} of "
+                        f"{names.get(id(p), 'a parameter')} has shape {tuple(value.shape)}, the "
+                        f"parameter {tuple(p.shape)}; the recipe state does not fit this model"
+                    )

@@ -1,0 +1,286 @@
+"""A run's output directory: never one it reads from, and owned by one live run at a time.
+
+:func:`claim` is the first thing a recipe's ``setup`` does, before anything is written anywhere:
+
+1. :func:`check_output_dir` refuses an ``output_dir`` that equals, contains or lies inside a
+   directory the config reads (``checkpointer.checkpoint_dir``, a teacher's, ``adapter_dir``), or
+   that contains a file it reads (tokenizer files, dataset files). Paths are compared resolved,
+   so a symlink does not hide an overlap.
+2. :class:`RunLock` takes ``output_dir/.squash-run.lock``: an advisory ``flock`` held for the
+   run's lifetime, the file naming the process (pid, host, start time, command) and holding the
+   run's resolved config (each checkpoint copies it into ``checkpoint.json``, for the resume
+   check of :mod:`squash.training.resume_config`). The kernel drops a ``flock`` when its process
+   dies, however it dies: a lock file left by a killed run is taken over with a warning naming
+   that run; a live run's lock refuses the second run, naming the first. Temporary directories
+   of an interrupted save are cleaned only once the lock is held, so start-up never deletes
+   those of a live run. (``flock`` is local to one machine on some network file systems; two
+   machines writing to one NFS ``output_dir`` are not detected there.)
+"""
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from squash.training import manifest
+from squash.training.config_checks import ConfigKeyError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".squash-run.lock"
+
+# Blocks whose path-like string values the recipes read as files.
+_FILE_BLOCKS = ("tokenizer",)
+_DIR_KEYS = ("checkpointer.checkpoint_dir", "teacher_checkpointer.checkpoint_dir", "adapter_dir")
+
+
+# ---- what a config reads --------------------------------------------------------------------------
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, (DictConfig, dict)) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (list, tuple, ListConfig)):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, (dict, DictConfig)):
+        for v in value.values():
+            yield from _strings(v)
+
+
+def read_paths(cfg: DictConfig) -> List[Tuple[str, Path, bool]]:
+    """What a recipe config reads from disk: ``(key, path, is_dir)`` for each checkpoint
+    directory (``checkpointer.checkpoint_dir``, ``teacher_checkpointer.checkpoint_dir``,
+    ``adapter_dir``), each tokenizer file (keys ending in ``path`` or ``file``), and each local
+    dataset file or directory (``data_files``, ``data_dir``, a ``source`` that is a local path)."""
+    found: List[Tuple[str, Path, bool]] = []
+    for key in _DIR_KEYS:
+        value = _get(cfg, key)
+        if isinstance(value, str):
+            found.append((key, Path(value), True))
+    for block in _FILE_BLOCKS:
+        node = _get(cfg, block)
+        if isinstance(node, (DictConfig, dict)):
+            for k, v in node.items():
+                if isinstance(v, str) and (k.endswith("path") or k.endswith("file")):
+                    found.append((f"{block}.{k}", Path(v), False))
+    datasets = cfg.get("dataset")
+    nodes = list(datasets) if isinstance(datasets, ListConfig) else [datasets]
+    for i, node in enumerate(nodes):
+        if not isinstance(node, (DictConfig, dict)):
+            continue
+        where = "dataset" if len(nodes) == 1 and not isinstance(datasets, ListConfig) else f"dataset[{i}]"
+        for k in ("data_files", "data_dir"):
+            for v in _strings(node.get(k)):
+                found.append((f"{where}.{k}", Path(v), Path(v).is_dir()))
+        source = node.get("source")
+        if isinstance(source, str) and Path(source).exists():  # a local dataset directory or file
+            found.append((f"{where}.source", Path(source), Path(source).is_dir()))
+    return found
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """``a`` equals ``b`` or lies inside it."""
+    return a == b or b in a.parents
+
+
+def refuse_overlap(out: Path, reads: List[Tuple[str, Path, bool]], what: str = "output_dir") -> Path:
+    """Refuse an output directory ``out`` that equals, contains or lies inside a directory of
+    ``reads``, or contains a file of it (``(key, path, is_dir)``, as :func:`read_paths` gives).
+    Any writer can call it, e.g. an export command with ``[("CHECKPOINT_DIR", path, True)]``.
+
+    Returns:
+        Path: ``out``, resolved.
+
+    Raises:
+        ConfigKeyError: naming ``what`` and the key it overlaps.
+    """
+    out = Path(out).expanduser().resolve()
+    for key, path, is_dir in reads:
+        src = Path(path).expanduser().resolve()
+        if is_dir and (_inside(out, src) or _inside(src, out)):
+            how = "is" if out == src else "lies inside" if _inside(out, src) else "contains"
+        elif not is_dir and _inside(src, out):
+            how = "contains"
+        else:
+            continue
+        raise ConfigKeyError(
+            f"{what} {out} {how} {key} ({src}), which this run reads; writing logs, the "
+            f"config copy, checkpoints or exports there could change its input. Give an "
+            f"{what} outside every directory the run reads"
+        )
+    return out
+
+
+def check_output_dir(cfg: DictConfig) -> Path:
+    """:func:`refuse_overlap` of ``cfg.output_dir`` and what ``cfg`` reads (:func:`read_paths`).
+
+    Returns:
+        Path: ``output_dir``, resolved.
+
+    Raises:
+        ConfigKeyError: naming ``output_dir`` and the key it overlaps.
+    """
+    return refuse_overlap(Path(str(cfg.output_dir)), read_paths(cfg))
+
+
+# ---- the lock -------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe(record: Dict[str, Any]) -> str:
+    """One line naming the run of a lock record."""
+    started = record.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
+    return (
+        f"pid {record.get('pid', '?')} on host {record.get('host', '?')}, started {when}: "
+        f"{record.get('command', '?')}"
+    )
+
+
+def read_lock(output_dir: Path) -> Optional[Dict[str, Any]]:
+    """The record of ``output_dir``'s lock file, or None if absent or unreadable."""
+    try:
+        record = json.loads((Path(output_dir) / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class RunLock:
+    """The advisory lock on ``output_dir`` (see the module docstring); :meth:`release` (or the
+    process's exit) frees it.
+
+    Args:
+        output_dir (Path): the run's output directory (created if missing).
+        run_config (Optional[Dict[str, Any]]): the run's resolved config, recorded in the lock.
+
+    Raises:
+        RuntimeError: another live run holds the lock; the message names it.
+        OSError: ``output_dir`` cannot be created or written, naming it.
+    """
+
+    def __init__(self, output_dir: Path, run_config: Optional[Dict[str, Any]] = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / LOCK_FILE
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"output_dir {self.output_dir} cannot be created: {e}") from e
+        self._fd = self._acquire()
+        self.record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "command": " ".join(sys.argv),
+            "config": run_config,
+        }
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(self.record, indent=2, sort_keys=True).encode(), 0)
+        os.fsync(self._fd)
+
+    def _acquire(self) -> int:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise OSError(
+                    f"output_dir {self.output_dir} is not writable ({e}); give an output_dir "
+                    "this user can write"
+                ) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = read_lock(self.output_dir) or {}
+                raise RuntimeError(
+                    f"output_dir {self.output_dir} is in use by another run ({describe(holder)}); "
+                    "wait for it to finish or give another output_dir"
+                ) from None
+            # The holder may have removed the file between our open and our flock: then we
+            # hold a lock on a file nobody else will see; try again on the new one.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = read_lock(self.output_dir)
+        if previous and previous.get("pid") is not None:
+            state = "no longer running" if (
+                previous.get("host") != socket.gethostname() or not _alive(int(previous["pid"]))
+            ) else "not holding the lock"
+            log.warning(
+                "%s: taking over the lock of an earlier run (%s), %s",
+                self.output_dir, describe(previous), state,
+            )
+        return fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def run_config_of(output_dir: Path) -> Optional[Dict[str, Any]]:
+    """The resolved config recorded by the run that holds ``output_dir``'s lock (None without)."""
+    record = read_lock(output_dir)
+    return None if record is None else record.get("config")
+
+
+def claim(cfg: DictConfig, *, lock: bool = True) -> Optional[RunLock]:
+    """Check ``output_dir`` against what ``cfg`` reads, verify the squash checkpoints it reads
+    (:func:`squash.training.manifest.verify_inputs`) and, with ``lock``, take its lock. Call it
+    before anything is written (logs, the config copy, checkpoints); on the non-zero ranks of a
+    distributed run pass ``lock=False`` (rank 0 owns the directory).
+
+    Returns:
+        Optional[RunLock]: the lock to :meth:`~RunLock.release` at cleanup (None without ``lock``).
+
+    Raises:
+        ConfigKeyError: ``output_dir`` overlaps something the run reads.
+        CheckpointIntegrityError: a squash checkpoint it reads does not match its checkpoint.json.
+        RuntimeError: another live run owns ``output_dir``.
+        OSError: ``output_dir`` cannot be written.
+    """
+    out = check_output_dir(cfg)
+    manifest.verify_inputs(cfg)
+    if not lock:
+        return None
+    return RunLock(out, OmegaConf.to_container(cfg, resolve=True))

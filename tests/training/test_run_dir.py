@@ -1,0 +1,113 @@
+"""output_dir: refused where it overlaps an input; owned by one live run through its lock."""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from squash.training import run_dir
+from squash.training.config_checks import ConfigKeyError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path, out, **changes):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    cfg = OmegaConf.create({
+        "output_dir": str(out),
+        "checkpointer": {"checkpoint_dir": str(model), "output_dir": "${output_dir}"},
+        "tokenizer": {"vocab_path": str(tmp_path / "tok" / "vocab.json"), "max_seq_len": 8},
+        "dataset": {"source": "json", "data_files": str(tmp_path / "data" / "d.json")},
+    })
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+@pytest.mark.parametrize("out, how, key", [
+    ("model", "is", "checkpointer.checkpoint_dir"),
+    ("model/run", "lies inside", "checkpointer.checkpoint_dir"),
+    (".", "contains", "checkpointer.checkpoint_dir"),
+    ("tok", "contains", "tokenizer.vocab_path"),
+    ("data", "contains", "dataset.data_files"),
+])
+def test_an_output_dir_overlapping_an_input_is_refused_naming_both(tmp_path, out, how, key):
+    with pytest.raises(ConfigKeyError, match=f"output_dir .* {how} {key} "):
+        run_dir.check_output_dir(_cfg(tmp_path, tmp_path / out))
+
+
+def test_a_symlink_does_not_hide_an_overlap_and_a_sibling_is_accepted(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    with pytest.raises(ConfigKeyError, match="is checkpointer.checkpoint_dir"):
+        run_dir.check_output_dir(_cfg(tmp_path, tmp_path / "link"))
+    assert run_dir.check_output_dir(_cfg(tmp_path, tmp_path / "out")) == (tmp_path / "out").resolve()
+
+
+def test_a_teacher_and_an_adapter_dir_count_as_inputs(tmp_path):
+    cfg = _cfg(tmp_path, tmp_path / "t" / "out", **{"teacher_checkpointer.checkpoint_dir": str(tmp_path / "t")})
+    with pytest.raises(ConfigKeyError, match="lies inside teacher_checkpointer.checkpoint_dir"):
+        run_dir.check_output_dir(cfg)
+    cfg = _cfg(tmp_path, tmp_path / "run", adapter_dir=str(tmp_path / "run" / "epoch_0"))
+    with pytest.raises(ConfigKeyError, match="contains adapter_dir"):
+        run_dir.check_output_dir(cfg)
+
+
+_HOLD = """
+import sys, time
+from squash.training.run_dir import RunLock
+lock = RunLock(sys.argv[1], {"seed": 1})
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(out):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match=f"in use by another run \\(pid {proc.pid} on host "
+                                               f"{socket.gethostname()}"):
+            run_dir.RunLock(tmp_path)
+        assert json.loads((tmp_path / run_dir.LOCK_FILE).read_text())["pid"] == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, caplog):
+    proc = _holder(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / run_dir.LOCK_FILE).exists()  # left behind by the killed run
+    with caplog.at_level(logging.WARNING, logger="squash.training.run_dir"):
+        lock = run_dir.RunLock(tmp_path, {"seed": 2})
+    assert f"taking over the lock of an earlier run (pid {proc.pid}" in caplog.text
+    assert "no longer running" in caplog.text
+    record = run_dir.read_lock(tmp_path)
+    assert record["pid"] == os.getpid() and record["config"] == {"seed": 2}
+    assert abs(record["started"] - time.time()) < 60
+    lock.release()
+    assert not (tmp_path / run_dir.LOCK_FILE).exists()
+    run_dir.RunLock(tmp_path).release()  # released: the next run takes it without a word
+
+
+def test_an_output_dir_that_cannot_be_created_names_it(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=f"output_dir {tmp_path / 'file' / 'out'} cannot be created"):
+        run_dir.RunLock(tmp_path / "file" / "out")
