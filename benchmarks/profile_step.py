@@ -237,7 +237,8 @@ def scoped(model: nn.Module):
             mod._squash_scope.__enter__()
 
         def post(mod, inputs, output):
-            mod._squash_scope.__exit__(None, None, None)
+            # popped, so that no profiler object stays on the module (deepcopy refuses one)
+            mod.__dict__.pop("_squash_scope").__exit__(None, None, None)
 
         handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     tied = getattr(model, "output", None)

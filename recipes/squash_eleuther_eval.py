@@ -32,6 +32,8 @@ from packaging.version import Version
 from torchtune import config, training, utils
 from torchtune._recipe_registry import get_all_recipes
 
+import squash  # noqa: F401  (registers ${squash_asset:NAME}, which the configs use)
+
 
 def _load_torchtune_recipe(name: str):
     """A recipe file of torchtune's wheel as a module, found the way ``tune run`` finds it
@@ -45,6 +47,13 @@ def _load_torchtune_recipe(name: str):
 
 
 _TORCHTUNE_EVAL = _load_torchtune_recipe("eleuther_eval")
+
+# Every top-level key torchtune's eleuther_eval recipe reads (squash validate checks against it).
+CONFIG_KEYS = frozenset({
+    "output_dir", "model", "checkpointer", "tokenizer", "device", "dtype", "seed", "tasks",
+    "include_path", "limit", "max_seq_length", "batch_size", "enable_kv_cache", "quantizer",
+    "log_level", "cudnn_deterministic_mode",
+})  # fmt: skip
 _TorchtuneEleutherEvalRecipe = _TORCHTUNE_EVAL.EleutherEvalRecipe
 
 

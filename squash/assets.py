@@ -6,6 +6,7 @@ out with ``squash cp`` runs from any directory and after a regular ``pip install
 
     checkpoint_dir: ${squash_asset:tiny_opt}
     vocab_path: ${squash_asset:tiny_opt}/vocab.json
+    include_path: ${squash_asset:eval_tasks}   # squash's lm-eval tasks (squash/eval_tasks)
 """
 
 from pathlib import Path
@@ -29,6 +30,8 @@ def asset_dir(name: str) -> str:
         FileNotFoundError: if squash ships no asset of that name (naming the ones it has).
     """
     name = str(name)
+    if name == "eval_tasks":  # squash's lm-eval tasks, a package of their own
+        return str(Path(__file__).resolve().parent / "eval_tasks")
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise FileNotFoundError(f"${{{RESOLVER}:{name}}}: an asset is named by one plain word")
     for root in _roots():

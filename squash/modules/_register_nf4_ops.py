@@ -60,7 +60,7 @@ def quantize_tensor_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Ten
     d_best = torch.minimum(d_upper, d_i)
     best = torch.where(d_lower <= d_best, lower, best)
     odd = ~torch.isfinite(value)
-    if bool(odd.any()):
+    if value.device.type != "meta" and bool(odd.any()):
         best[odd] = _TORCHAO_NEAREST(value[odd], nf4)
     return best
 
