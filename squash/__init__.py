@@ -14,4 +14,4 @@ from squash.assets import register_resolvers
 
 register_resolvers()
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
