@@ -20,7 +20,8 @@ def _overrides(ckpt: Path):
     return [f"checkpointer.checkpoint_dir={ckpt}", f"tokenizer.path={ckpt}",
             "max_steps_per_epoch=4", "batch_size=2", "save_every_n_steps=2", "keep_last_n=4",
             "save_adapter_weights_only=False", "mask_update.every_n_steps=1",
-            "mask_update.until_step=4", "heldout.dataset.max_samples=2", "heldout.max_new_tokens=2"]  # fmt: skip
+            "mask_update.until_step=4", "heldout.dataset.max_samples=2", "heldout.prompt_index=0",
+            "heldout.max_new_tokens=2"]  # fmt: skip
 
 
 def _squash_logits(ckpt: Path, epoch_dir: Path, ids: torch.Tensor) -> torch.Tensor:
