@@ -1,0 +1,165 @@
+"""benchmarks/quality_smollm2.py's arithmetic against independent computations: the ranks at equal
+memory counted by hand from SmolLM2's shapes, the exact-match rule against greedy decoding's
+definition, Welch's t against scipy, means and spreads against the per-seed values; and one tiny
+``--quick`` run on the real checkpoint (smollm2, slow) whose table agrees with its per-seed
+values."""
+
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("quality_smollm2", REPO / "benchmarks" / "quality_smollm2.py")
+q = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(q)
+
+
+def hand_bytes(rank, sparsity, factor, elem):
+    """Adapter + grad + 2 AdamW moments at ``elem`` bytes, 4-byte step per tensor, int16 indices
+    (every width here is < 32768), for SmolLM2's 30 x (q, k, v, o, w1, w2, w3)."""
+    layer = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (1536, 576), (576, 1536)]
+    total = 0
+    for d_in, d_out in layer * 30:
+        for rows, width, sparse in ((rank, d_in, factor in ("a", "both")),
+                                    (d_out, rank, factor in ("b", "both"))):  # fmt: skip
+            if sparsity is not None and sparse:
+                k = max(1, min(width, round((1 - sparsity) * width)))
+                total += rows * k * 4 * elem + rows * k * 2
+            else:
+                total += rows * width * 4 * elem
+            total += 4
+    return total
+
+
+def test_shapes_are_smollm2_linears():
+    shapes = q.adapted_shapes()
+    assert len(shapes) == 7 * 30
+    # parameters of the seven linears per layer, from the model card's sizes
+    per_layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert sum(i * o for i, o in shapes) == 30 * per_layer
+
+
+@pytest.mark.parametrize("dtype,elem", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_ranks_at_equal_memory_by_hand(dtype, elem):
+    by = {a["key"]: a for a in q.arms(0.9, dtype)}
+    for key, budget_rank, factor in (("squash_both_eq16", 16, "both"),
+                                     ("squash_both_eq8", 8, "both"), ("squash_a_eq16", 16, "a")):  # fmt: skip
+        budget = hand_bytes(budget_rank, None, "a", elem)
+        r = by[key]["rank"]
+        # the largest rank that fits, by linear search on the hand count
+        want = max(x for x in range(1, 400) if hand_bytes(x, 0.9, factor, elem) <= budget)
+        assert r == want
+        assert by[key]["adapter_bytes"] == hand_bytes(r, 0.9, factor, elem)
+        assert by[key]["vs_budget"] == pytest.approx(hand_bytes(r, 0.9, factor, elem) / budget)
+    if dtype == torch.float32:  # the ranks the docs name
+        assert (by["squash_both_eq16"]["rank"], by["squash_both_eq8"]["rank"],
+                by["squash_a_eq16"]["rank"]) == (143, 71, 28)  # fmt: skip
+    assert by["qlora_at_squash16"]["rank"] == by["squash_both_eq16"]["rank"]
+    assert by["qlora_at_squash16"]["adapter_bytes"] == hand_bytes(by["squash_both_eq16"]["rank"],
+                                                                  None, "a", elem)  # fmt: skip
+    assert by["qlora_r16"]["vs_budget"] == 1.0 and by["qlora_r8"]["vs_budget"] == 1.0
+
+
+def test_rslora_alpha_gives_gamma_over_sqrt_rank():
+    r = 143
+    a = q.rslora_alpha(r)
+    assert a / r == pytest.approx(8 / math.sqrt(143))  # gamma = 2 sqrt(16) = 8
+    assert q.rslora_alpha(16) / 16 == pytest.approx(2.0)
+
+
+def test_exact_match_is_greedy_decoding():
+    """A row matches iff greedy decoding from the prompt (argmax, stop at a stop token) returns
+    the answer: checked against a decoding loop over a fixed next-token table."""
+    vocab, stop = 6, 5
+    torch.manual_seed(0)
+    for _ in range(200):
+        s = 7
+        table = torch.randint(0, vocab, (s,))  # the argmax the "model" gives at each position
+        table[torch.randint(0, s, (1,))] = stop
+        logits = torch.nn.functional.one_hot(table, vocab).float()[None] * 3.0
+        n_prompt = int(torch.randint(1, 3, ()))
+        ans = torch.randint(0, vocab - 1, (int(torch.randint(1, 3, ())),)).tolist() + [stop, stop]
+        ans = ans[: s - n_prompt + 1]
+        labels = torch.full((1, s), q.IGNORE)
+        labels[0, n_prompt - 1 : n_prompt - 1 + len(ans)] = torch.tensor(ans)
+        # greedy: position n_prompt-1 predicts the first answer token; teacher forcing along the
+        # answer is greedy's own path as long as every prediction is right
+        out, pos = [], n_prompt - 1
+        while pos < s:
+            out.append(int(table[pos]))
+            if out[-1] == stop:
+                break
+            pos += 1
+        first_stop = ans.index(stop) if stop in ans else len(ans) - 1
+        want = out == ans[: first_stop + 1]
+        assert q.score_logits(logits, labels, [stop])[2] == int(want)
+
+
+def test_loss_and_tokens_by_hand():
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[2, 0, q.IGNORE]])
+    ce, n, hits, rows = q.score_logits(logits, labels, [0])
+    lse0 = math.log(1 + math.e + math.e**2)
+    lse1 = math.log(math.e + 2)
+    assert ce == pytest.approx((lse0 - 2.0) + (lse1 - 1.0))
+    assert (n, hits, rows) == (2, 1, 1)
+
+
+def test_welch_against_scipy():
+    a, b = [1.71, 1.75, 1.69, 1.80], [1.73, 1.78, 1.81]
+    w = q.welch(a, b)
+    ref = stats.ttest_ind(a, b, equal_var=False)
+    assert w["t"] == pytest.approx(ref.statistic) and w["p"] == pytest.approx(ref.pvalue)
+    va, vb = statistics.variance(a) / 4, statistics.variance(b) / 3
+    assert w["df"] == pytest.approx((va + vb) ** 2 / (va**2 / 3 + vb**2 / 2))
+    assert math.isnan(q.welch([1.0], b)["t"])
+
+
+def test_summary_and_comparisons_from_per_seed_values():
+    rows = []
+    for key, losses in (("qlora_r16", [1.8, 1.7, 1.75]), ("squash_both_eq16", [1.6, 1.72, 1.7])):
+        test = [{"loss": x, "exact_match": 0.1 * i} for i, x in enumerate(losses)]
+        sw = {1e-3: {"val": {"loss": 2.0, "exact_match": 0.0}, "test": test[0]}}
+        rows.append(q.summarize({"key": key, "name": key}, sw, 1e-3, True, test))
+    for r, losses in zip(rows, ([1.8, 1.7, 1.75], [1.6, 1.72, 1.7])):
+        assert r["test_loss_mean"] == pytest.approx(sum(losses) / 3)
+        m = sum(losses) / 3
+        assert r["test_loss_std"] == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in losses) / 2))
+        assert r["test_em_mean"] == pytest.approx(0.1) and r["test_em_std"] == pytest.approx(0.1)
+    (c,) = q.comparisons(rows)
+    assert c["loss_diff"] == pytest.approx((1.6 + 1.72 + 1.7 - 1.8 - 1.7 - 1.75) / 3)
+    ref = stats.ttest_ind([1.6, 1.72, 1.7], [1.8, 1.7, 1.75], equal_var=False)
+    assert c["loss"]["t"] == pytest.approx(ref.statistic)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_quick_run_on_smollm2(smollm2_checkpoint, tmp_path):
+    out = tmp_path / "q.md"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "quality_smollm2.py"), "--quick",
+         "--checkpoint-dir", str(smollm2_checkpoint), "--arms", "qlora_r16,squash_both_eq16",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    md, res = out.read_text(), json.loads(out.with_suffix(".json").read_text())
+    assert [a["key"] for a in res["arms"]] == ["qlora_r16", "squash_both_eq16"]
+    for a in res["arms"]:
+        assert a["test_loss_mean"] == pytest.approx(statistics.fmean(a["test_loss"]))
+        assert a["test_loss_std"] == pytest.approx(statistics.stdev(a["test_loss"]))
+        sweep = {float(k): v for k, v in a["sweep"].items()}
+        assert a["best_lr"] == min(sweep, key=lambda lr: sweep[lr]["val"]["loss"])
+        assert a["test_loss"][0] == sweep[a["best_lr"]]["test"]["loss"]
+        assert f"| {a['name']} | {a['rank']} |" in md
+    (c,) = res["comparisons"]
+    ref = stats.ttest_ind(res["arms"][1]["test_loss"], res["arms"][0]["test_loss"], equal_var=False)
+    assert c["loss"]["t"] == pytest.approx(ref.statistic, nan_ok=True)
