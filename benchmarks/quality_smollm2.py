@@ -357,7 +357,9 @@ def markdown(res: dict) -> str:
         f"{res['device']}. Memory: adapter params + grads + AdamW + FFI indices at "
         f"{res['dtype']}, `lora_adapter_memory`. lr per arm from the validation loss of seed 0; "
         f"test: {res['seeds']} seeds at that lr (mean +/- sample std).",
-        f"Machine: {res['machine']}; wall time {res['wall_s']:.0f} s.",
+        f"Machine: {res['machine']}; wall time {res['wall_s']:.0f} s"
+        + (f" ({res['processes']} processes side by side, the arms split between them; the longest)"
+           if res.get("processes", 1) > 1 else "") + ".",
         "",
         "| arm | rank | adapter memory vs its QLoRA | lr sweep: val loss (exact match) | best lr "
         "| test loss | test exact match | seeds (test loss) |",
@@ -416,8 +418,53 @@ def ensure_checkpoint(path) -> Path:
     return ckpt
 
 
+SAME = ("quick", "sparsity", "seeds", "steps", "batch", "grid", "n_train_available", "n_val",
+        "n_test", "device", "dtype", "shapes")  # fmt: skip
+
+
+def merge(paths: list) -> dict:
+    """One result from runs of disjoint arms with the same settings (processes run side by side):
+    arms in :data:`ARM_KEYS` order, the comparisons recomputed, the wall time of the longest.
+
+    Raises:
+        ValueError: settings that differ, an arm in two files, or base scores that disagree.
+    """
+    parts = [json.loads(Path(x).read_text()) for x in paths]
+    first = parts[0]
+    for path, part in zip(paths[1:], parts[1:]):
+        diff = [k for k in SAME if part[k] != first[k]]
+        if diff:
+            raise ValueError(f"{path} was run with other settings than {paths[0]}: {diff}")
+        for split, score in (part["base"] or {}).items():
+            for metric, value in score.items():
+                if not math.isclose(value, first["base"][split][metric], rel_tol=1e-4):
+                    raise ValueError(f"{path}: base {split} {metric} {value} differs from "
+                                     f"{first['base'][split][metric]} in {paths[0]}")  # fmt: skip
+    arms_ = [a for part in parts for a in part["arms"]]
+    keys = [a["key"] for a in arms_]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"an arm is in more than one file: {keys}")
+    res = dict(first, arms=sorted(arms_, key=lambda a: ARM_KEYS.index(a["key"])),
+               wall_s=max(part["wall_s"] for part in parts), merged_from=[str(x) for x in paths],
+               processes=len(parts), machine=first["machine"])  # fmt: skip
+    res["comparisons"] = comparisons(res["arms"])
+    return res
+
+
+def write_result(res: dict, out_md: Path) -> None:
+    """The table and the json beside it, each written to a temporary file and renamed."""
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in ((out_md, markdown(res)),
+                       (out_md.with_suffix(".json"), json.dumps(res, indent=1))):  # fmt: skip
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--merge", nargs="+", type=Path, default=None,
+                   help="merge the json results of runs of disjoint arms into --out")
     p.add_argument("--checkpoint-dir", default=None, help="squash download's output directory")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--device", default="cpu")
@@ -434,6 +481,12 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="markdown path (json beside it)")
     args = p.parse_args(argv)
+    if args.merge:
+        res = merge(args.merge)
+        out_md = args.out or RESULTS / "quality_smollm2.md"
+        write_result(res, out_md)
+        print(markdown(res))
+        return res
     size = dict(QUICK if args.quick else FULL)
     for key in ("steps", "batch", "seeds", "n_val", "n_test", "max_widen"):
         if getattr(args, key) is not None:
@@ -483,12 +536,7 @@ def main(argv=None) -> dict:
     def write():
         res["wall_s"] = time.perf_counter() - t0
         res["comparisons"] = comparisons(res["arms"])
-        out_md.parent.mkdir(parents=True, exist_ok=True)
-        for path, text in ((out_md, markdown(res)),
-                           (out_md.with_suffix(".json"), json.dumps(res, indent=1))):  # fmt: skip
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+        write_result(res, out_md)
 
     def run(arm, lr, seed):
         run_dir = work / f"run_{arm['key']}_{lr:.3e}_{seed}"

@@ -163,3 +163,33 @@ def test_quick_run_on_smollm2(smollm2_checkpoint, tmp_path):
     (c,) = res["comparisons"]
     ref = stats.ttest_ind(res["arms"][1]["test_loss"], res["arms"][0]["test_loss"], equal_var=False)
     assert c["loss"]["t"] == pytest.approx(ref.statistic, nan_ok=True)
+
+
+def _part(tmp_path, key, losses, **over):
+    test = [{"loss": x, "exact_match": 0.5} for x in losses]
+    sw = {3e-3: {"val": {"loss": 2.0, "exact_match": 0.0}, "test": test[0]}}
+    res = dict(quick=False, sparsity=0.9, seeds=3, steps=12, batch=16, grid=[3e-3, 1e-2],
+               n_train_available=885, n_val=48, n_test=110, device="cpu", dtype="fp32",
+               shapes=q.adapted_shapes(), machine="m", base={"test": {"loss": 2.5, "exact_match": 0.0}},
+               arms=[q.summarize({"key": key, "name": key, "rank": 1, "vs_budget": 1.0}, sw, 3e-3,
+                                 False, test)], wall_s=len(losses) * 10.0)  # fmt: skip
+    res.update(over)
+    path = tmp_path / f"{key}.json"
+    path.write_text(json.dumps(res))
+    return path
+
+
+def test_merge_orders_arms_and_recomputes_the_comparison(tmp_path):
+    s = _part(tmp_path, "squash_both_eq16", [1.6, 1.7, 1.65])
+    ql = _part(tmp_path, "qlora_r16", [1.8, 1.75, 1.7, 1.71])
+    res = q.merge([s, ql])
+    assert [a["key"] for a in res["arms"]] == ["qlora_r16", "squash_both_eq16"]
+    assert res["wall_s"] == 40.0 and res["processes"] == 2
+    (c,) = res["comparisons"]
+    ref = stats.ttest_ind([1.6, 1.7, 1.65], [1.8, 1.75, 1.7, 1.71], equal_var=False)
+    assert c["loss"]["t"] == pytest.approx(ref.statistic) and c["loss"]["p"] == pytest.approx(ref.pvalue)
+    assert "| squash_both_eq16 | qlora_r16 | -0.090 |" in q.markdown(res)  # 1.65 - 1.74
+    with pytest.raises(ValueError, match="steps"):
+        q.merge([s, _part(tmp_path / "..", "qlora_r8", [1.0, 1.1], steps=40)])
+    with pytest.raises(ValueError, match="more than one file"):
+        q.merge([s, s])
