@@ -311,13 +311,17 @@ def _lr(lr: float) -> float:
     return float(f"{lr:.6g}")
 
 
-def summarize(arm: dict, sw: dict, best: float, at_edge: bool, test: list) -> dict:
+def summarize(arm: dict, sw: dict, best: float, at_edge: bool, test: list,
+              seeds: list = None) -> dict:  # fmt: skip
+    """An arm's row: the sweep, the chosen lr, per-seed test scores (``seeds``, default 0, 1,
+    ...) and their mean and sample std."""
     loss_m, loss_s = mean_std([t["loss"] for t in test])
     em_m, em_s = mean_std([t["exact_match"] for t in test])
     return dict(
         arm, sweep={f"{lr:.6g}": r for lr, r in sw.items()}, best_lr=best, best_at_edge=at_edge,
         test_loss=[t["loss"] for t in test], test_em=[t["exact_match"] for t in test],
         test_loss_mean=loss_m, test_loss_std=loss_s, test_em_mean=em_m, test_em_std=em_s,
+        test_seeds=list(range(len(test))) if seeds is None else list(seeds), swept=len(sw) > 1,
     )  # fmt: skip
 
 
@@ -370,7 +374,9 @@ def markdown(res: dict) -> str:
         for lr_s, r in sorted(a["sweep"].items(), key=lambda kv: float(kv[0])):
             v = f"{float(lr_s):.0e}: {r['val']['loss']:.3f} ({r['val']['exact_match']:.2f})"
             cells.append(f"**{v}**" if float(lr_s) == a["best_lr"] else v)
-        edge = " (edge)" if a["best_at_edge"] else ""
+        edge = " (edge)" if a["best_at_edge"] else "" if a.get("swept", True) else " (fixed)"
+        if not cells:
+            cells = ["not swept here"]
         losses = ", ".join(f"{x:.3f}" for x in a["test_loss"])
         lines.append(
             f"| {a['name']} | {a['rank']} | {a['vs_budget']:.2f}x | {'; '.join(cells)} | "
@@ -418,16 +424,24 @@ def ensure_checkpoint(path) -> Path:
     return ckpt
 
 
-SAME = ("quick", "sparsity", "seeds", "steps", "batch", "grid", "n_train_available", "n_val",
-        "n_test", "device", "dtype", "shapes")  # fmt: skip
+SAME = ("quick", "sparsity", "steps", "batch", "grid", "n_train_available", "n_val", "n_test",
+        "device", "dtype", "shapes")  # fmt: skip
+
+
+# an arm's own settings (what :func:`arms` makes), kept when its seeds are merged
+ARM_FIELDS = ("key", "name", "rank", "sparsity", "factor", "budget", "alpha", "mask_update",
+              "adapter_bytes", "vs_budget")  # fmt: skip
 
 
 def merge(paths: list) -> dict:
-    """One result from runs of disjoint arms with the same settings (processes run side by side):
-    arms in :data:`ARM_KEYS` order, the comparisons recomputed, the wall time of the longest.
+    """One result from runs made side by side with the same settings (disjoint arms, or disjoint
+    seeds of one arm at one lr): arms in :data:`ARM_KEYS` order, an arm's seeds joined in seed
+    order and its mean and std recomputed, the comparisons recomputed, the wall time of the
+    longest.
 
     Raises:
-        ValueError: settings that differ, an arm in two files, or base scores that disagree.
+        ValueError: settings that differ, a seed of an arm in two files, one arm at two
+            learning rates, or base scores that disagree.
     """
     parts = [json.loads(Path(x).read_text()) for x in paths]
     first = parts[0]
@@ -440,13 +454,31 @@ def merge(paths: list) -> dict:
                 if not math.isclose(value, first["base"][split][metric], rel_tol=1e-4):
                     raise ValueError(f"{path}: base {split} {metric} {value} differs from "
                                      f"{first['base'][split][metric]} in {paths[0]}")  # fmt: skip
-    arms_ = [a for part in parts for a in part["arms"]]
-    keys = [a["key"] for a in arms_]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"an arm is in more than one file: {keys}")
+    groups = {}
+    for part in parts:
+        for a in part["arms"]:
+            groups.setdefault(a["key"], []).append(a)
+    arms_ = []
+    for key, rows in groups.items():
+        if len(rows) == 1:
+            arms_.append(rows[0])
+            continue
+        seeds = [s for r in rows for s in r["test_seeds"]]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"arm {key}: a seed is in more than one file: {sorted(seeds)}")
+        if len({r["best_lr"] for r in rows}) > 1 or any(r["swept"] for r in rows):
+            raise ValueError(f"arm {key} is in more than one file at more than one lr (or swept)")
+        sw = {float(k): v for r in rows for k, v in r["sweep"].items()}
+        by_seed = sorted((s, {"loss": lo, "exact_match": em})
+                         for r in rows
+                         for s, lo, em in zip(r["test_seeds"], r["test_loss"], r["test_em"]))  # fmt: skip
+        base = {k: v for k, v in rows[0].items() if k in ARM_FIELDS}
+        arms_.append(summarize(base, sw, rows[0]["best_lr"], False, [t for _, t in by_seed],
+                               seeds=[s for s, _ in by_seed]))  # fmt: skip
     res = dict(first, arms=sorted(arms_, key=lambda a: ARM_KEYS.index(a["key"])),
                wall_s=max(part["wall_s"] for part in parts), merged_from=[str(x) for x in paths],
                processes=len(parts), machine=first["machine"])  # fmt: skip
+    res["seeds"] = max(len(a["test_loss"]) for a in res["arms"])
     res["comparisons"] = comparisons(res["arms"])
     return res
 
@@ -477,6 +509,9 @@ def main(argv=None) -> dict:
     p.add_argument("--n-test", type=int, default=None)
     p.add_argument("--lrs", default=None, help="comma-separated lr grid (default 1e-3,3e-3)")
     p.add_argument("--max-widen", type=int, default=None)
+    p.add_argument("--seed-list", default=None,
+                   help="with a single --lrs value (no sweep): the test seeds to run, e.g. 1,2")
+    p.add_argument("--no-base", action="store_true", help="do not score the model before training")
     p.add_argument("--arms", default=",".join(ARM_KEYS), help="comma-separated arm keys, in order")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="markdown path (json beside it)")
@@ -493,8 +528,11 @@ def main(argv=None) -> dict:
             size[key] = getattr(args, key)
     if args.lrs:
         size["grid"] = [float(x) for x in args.lrs.split(",")]
-        if len(size["grid"]) < 2:
-            p.error("--lrs needs at least 2 learning rates")
+    seed_list = list(range(size["seeds"]))
+    if args.seed_list:
+        if len(size["grid"]) > 1:
+            p.error("--seed-list needs a single --lrs value (a fixed lr, no sweep)")
+        seed_list = [int(x) for x in args.seed_list.split(",")]
     chosen = args.arms.split(",")
     unknown = [k for k in chosen if k not in ARM_KEYS]
     if unknown:
@@ -526,7 +564,7 @@ def main(argv=None) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="squash_quality_smollm2_"))
     res = dict(
-        quick=args.quick, sparsity=args.sparsity, seeds=size["seeds"], steps=size["steps"],
+        quick=args.quick, sparsity=args.sparsity, seeds=len(seed_list), steps=size["steps"],
         batch=size["batch"], grid=size["grid"], n_train_available=n_train,
         n_val=len(data["val"]), n_test=len(data["test"]), device=args.device, dtype=args.dtype,
         shapes=adapted_shapes(), machine=machine(), checkpoint=str(ckpt), base=None, arms=[],
@@ -542,8 +580,10 @@ def main(argv=None) -> dict:
         run_dir = work / f"run_{arm['key']}_{lr:.3e}_{seed}"
         cfg = recipe_config(arm, lr, seed, run_dir, ckpt, size, args.device, args.dtype)
         t = time.perf_counter()
-        splits = {"val": data["val"], "test": data["test"]} if seed == 0 else {"test": data["test"]}
-        r = finetune(cfg, splits, base=res["base"] is None)
+        swept = len(size["grid"]) > 1
+        splits = {"val": data["val"], "test": data["test"]} if seed == 0 and swept else {
+            "test": data["test"]}
+        r = finetune(cfg, splits, base=res["base"] is None and not args.no_base)
         if "base" in r:
             res["base"] = r.pop("base")
             print(f"base: {res['base']}", flush=True)
@@ -552,15 +592,21 @@ def main(argv=None) -> dict:
                           if isinstance(v, dict))
               + f" (set-up {r['setup_s']:.0f} s, train {r['train_s']:.0f} s, eval {r['eval_s']:.0f}"
               f" s, all {time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
+        print("  result " + json.dumps(dict(key=arm["key"], lr=lr, seed=seed, **r)), flush=True)
         return r
 
     try:
         by_key = {a["key"]: a for a in arms(args.sparsity, DTYPES[args.dtype])}
         for key in chosen:
             arm = by_key[key]
-            sw, best, at_edge = sweep(arm, size["grid"], size["max_widen"], run)
-            test = [sw[best]["test"]] + [run(arm, best, s)["test"] for s in range(1, size["seeds"])]
-            res["arms"].append(summarize(arm, sw, best, at_edge, test))
+            if len(size["grid"]) == 1:  # a fixed lr: the seeds asked for, test split only
+                best = _lr(size["grid"][0])
+                test = [run(arm, best, s)["test"] for s in seed_list]
+                res["arms"].append(summarize(arm, {}, best, False, test, seeds=seed_list))
+            else:
+                sw, best, at_edge = sweep(arm, size["grid"], size["max_widen"], run)
+                test = [sw[best]["test"]] + [run(arm, best, s)["test"] for s in seed_list[1:]]
+                res["arms"].append(summarize(arm, sw, best, at_edge, test, seeds=seed_list))
             write()
     finally:
         shutil.rmtree(work, ignore_errors=True)

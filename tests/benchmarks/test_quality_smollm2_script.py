@@ -193,3 +193,35 @@ def test_merge_orders_arms_and_recomputes_the_comparison(tmp_path):
         q.merge([s, _part(tmp_path / "..", "qlora_r8", [1.0, 1.1], steps=40)])
     with pytest.raises(ValueError, match="more than one file"):
         q.merge([s, s])
+
+
+def _seed_part(tmp_path, key, seed, loss, em):
+    arm = {k: v for k, v in {a["key"]: a for a in q.arms(0.9, torch.float32)}[key].items()}
+    row = q.summarize(arm, {}, 3e-3, False, [{"loss": loss, "exact_match": em}], seeds=[seed])
+    res = dict(quick=False, sparsity=0.9, seeds=1, steps=16, batch=8, grid=[3e-3],
+               n_train_available=885, n_val=48, n_test=48, device="cpu", dtype="fp32",
+               shapes=q.adapted_shapes(), machine="m", base=None, arms=[row], wall_s=5.0)  # fmt: skip
+    path = tmp_path / f"{key}_{seed}.json"
+    path.write_text(json.dumps(res))
+    return path
+
+
+def test_merge_joins_seeds_of_one_arm_in_seed_order(tmp_path):
+    values = {"qlora_r16": {2: (1.9, 0.25), 0: (1.8, 0.5), 1: (1.7, 0.0)},
+              "squash_both_eq16": {1: (1.6, 0.5), 0: (1.75, 0.25), 2: (1.65, 0.75)}}  # fmt: skip
+    paths = [_seed_part(tmp_path, k, s, *v) for k, d in values.items() for s, v in d.items()]
+    res = q.merge(paths)
+    by = {a["key"]: a for a in res["arms"]}
+    assert by["qlora_r16"]["test_seeds"] == [0, 1, 2]
+    assert by["qlora_r16"]["test_loss"] == [1.8, 1.7, 1.9]
+    assert by["qlora_r16"]["test_loss_mean"] == pytest.approx(1.8)
+    assert by["qlora_r16"]["test_loss_std"] == pytest.approx(0.1)  # sqrt((0.01 + 0.01) / 2)
+    assert by["squash_both_eq16"]["test_em_mean"] == pytest.approx(0.5)
+    assert by["squash_both_eq16"]["test_em_std"] == pytest.approx(0.25)
+    assert by["squash_both_eq16"]["rank"] == 143 and res["seeds"] == 3
+    (c,) = res["comparisons"]
+    ref = stats.ttest_ind([1.75, 1.6, 1.65], [1.8, 1.7, 1.9], equal_var=False)
+    assert c["loss"]["t"] == pytest.approx(ref.statistic) and c["loss"]["p"] == pytest.approx(ref.pvalue)
+    assert "not swept here" in q.markdown(res) and "(fixed)" in q.markdown(res)
+    with pytest.raises(ValueError, match="seed is in more than one file"):
+        q.merge(paths + [paths[0]])
