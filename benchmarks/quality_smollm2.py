@@ -357,10 +357,13 @@ def markdown(res: dict) -> str:
         f"{_num(b.get('test', {}).get('exact_match'), '.3f')}.",
         f"Fine-tuning: `SquashFinetuneRecipeSingleDevice`, NF4 base, adapters on q/k/v/output "
         f"and w1/w2/w3 of all 30 layers, alpha = 2 x rank (rsLoRA arm: see its name), AdamW, "
-        f"cosine schedule with {max(1, res['steps'] // 10)} warm-up steps, {res['dtype']} on "
+        f"cosine schedule with {max(1, res['steps'] // 10)} warm-up step(s), {res['dtype']} on "
         f"{res['device']}. Memory: adapter params + grads + AdamW + FFI indices at "
-        f"{res['dtype']}, `lora_adapter_memory`. lr per arm from the validation loss of seed 0; "
-        f"test: {res['seeds']} seeds at that lr (mean +/- sample std).",
+        f"{res['dtype']}, `lora_adapter_memory`. "
+        + ("lr per arm from the validation loss of seed 0; "
+           if any(a.get("swept", True) for a in res["arms"]) else
+           "lr fixed per arm (`(fixed)`; the sweep table below, if any, is separate runs); ")
+        + f"test: {res['seeds']} seeds at that lr (mean +/- sample std).",
         f"Machine: {res['machine']}; wall time {res['wall_s']:.0f} s"
         + (f" ({res['processes']} processes side by side, the arms split between them; the longest)"
            if res.get("processes", 1) > 1 else "") + ".",
@@ -383,6 +386,15 @@ def markdown(res: dict) -> str:
             f"{a['best_lr']:.0e}{edge} | {a['test_loss_mean']:.3f} +/- {a['test_loss_std']:.3f} "
             f"| {a['test_em_mean']:.3f} +/- {a['test_em_std']:.3f} | {losses} |"
         )
+    if res.get("sweeps"):
+        lines += ["", "Learning-rate sweep (separate runs, seed 0, validation split; test beside it):",
+                  "", "| arm | lr | val loss | val exact match | test loss |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        for a in res["sweeps"]:
+            for lr_s, r in sorted(a["sweep"].items(), key=lambda kv: float(kv[0])):
+                star = " (best)" if float(lr_s) == a["best_lr"] else ""
+                lines.append(f"| {a['name']} | {float(lr_s):.0e}{star} | {r['val']['loss']:.3f} | "
+                             f"{r['val']['exact_match']:.3f} | {r['test']['loss']:.3f} |")
     names = {a["key"]: a["name"] for a in res["arms"]}
     if res["comparisons"]:
         lines += ["", "| squash arm | against | test loss diff | Welch t (df, p) | exact match "
@@ -433,7 +445,7 @@ ARM_FIELDS = ("key", "name", "rank", "sparsity", "factor", "budget", "alpha", "m
               "adapter_bytes", "vs_budget")  # fmt: skip
 
 
-def merge(paths: list) -> dict:
+def merge(paths: list, sweeps: list = ()) -> dict:
     """One result from runs made side by side with the same settings (disjoint arms, or disjoint
     seeds of one arm at one lr): arms in :data:`ARM_KEYS` order, an arm's seeds joined in seed
     order and its mean and std recomputed, the comparisons recomputed, the wall time of the
@@ -479,6 +491,8 @@ def merge(paths: list) -> dict:
                wall_s=max(part["wall_s"] for part in parts), merged_from=[str(x) for x in paths],
                processes=len(parts), machine=first["machine"])  # fmt: skip
     res["seeds"] = max(len(a["test_loss"]) for a in res["arms"])
+    res["sweeps"] = [a for x in sweeps for a in json.loads(Path(x).read_text())["arms"]]
+    res["merged_sweeps"] = [str(x) for x in sweeps]
     res["comparisons"] = comparisons(res["arms"])
     return res
 
@@ -497,6 +511,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--merge", nargs="+", type=Path, default=None,
                    help="merge the json results of runs of disjoint arms into --out")
+    p.add_argument("--sweeps", nargs="+", type=Path, default=None,
+                   help="with --merge: json results of separate sweeps, shown as their own table")
     p.add_argument("--checkpoint-dir", default=None, help="squash download's output directory")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--device", default="cpu")
@@ -517,7 +533,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None, help="markdown path (json beside it)")
     args = p.parse_args(argv)
     if args.merge:
-        res = merge(args.merge)
+        res = merge(args.merge, args.sweeps or ())
         out_md = args.out or RESULTS / "quality_smollm2.md"
         write_result(res, out_md)
         print(markdown(res))
