@@ -326,17 +326,25 @@ def summarize(arm: dict, sw: dict, best: float, at_edge: bool, test: list,
 
 
 def comparisons(results: list) -> list:
-    by = {a["key"]: a for a in results}
-    out = []
+    """Welch's t of each squash arm against its equal-memory QLoRA: best rows (each at its own
+    best lr), then rows at equal lrs (not both best)."""
+    by = {a["key"]: a for a in results if a.get("best", True)}
+    pairs = [(by[s], by[q]) for s, q in PAIRS if s in by and q in by]
     for s, q in PAIRS:
-        if s in by and q in by:
-            out.append(dict(
-                squash=s, qlora=q,
-                loss_diff=by[s]["test_loss_mean"] - by[q]["test_loss_mean"],
-                loss=welch(by[s]["test_loss"], by[q]["test_loss"]),
-                em_diff=by[s]["test_em_mean"] - by[q]["test_em_mean"],
-                em=welch(by[s]["test_em"], by[q]["test_em"]),
-            ))  # fmt: skip
+        for a in results:
+            for b in results:
+                if (a["key"], b["key"]) == (s, q) and a["best_lr"] == b["best_lr"] and not (
+                        a.get("best", True) and b.get("best", True)):  # fmt: skip
+                    pairs.append((a, b))
+    out = []
+    for sa, qa in pairs:
+        out.append(dict(
+            squash=sa["key"], qlora=qa["key"], squash_name=sa["name"], qlora_name=qa["name"],
+            loss_diff=sa["test_loss_mean"] - qa["test_loss_mean"],
+            loss=welch(sa["test_loss"], qa["test_loss"]),
+            em_diff=sa["test_em_mean"] - qa["test_em_mean"],
+            em=welch(sa["test_em"], qa["test_em"]),
+        ))  # fmt: skip
     return out
 
 
@@ -402,7 +410,8 @@ def markdown(res: dict) -> str:
         for c in res["comparisons"]:
             lo, em = c["loss"], c["em"]
             lines.append(
-                f"| {names[c['squash']]} | {names[c['qlora']]} | {c['loss_diff']:+.3f} | "
+                f"| {c.get('squash_name', names[c['squash']])} | "
+                f"{c.get('qlora_name', names[c['qlora']])} | {c['loss_diff']:+.3f} | "
                 f"{_num(lo['t'], '.2f')} ({_num(lo['df'], '.1f')}, {_num(lo['p'], '.3f')}) | "
                 f"{c['em_diff']:+.3f} | {_num(em['t'], '.2f')} ({_num(em['df'], '.1f')}, "
                 f"{_num(em['p'], '.3f')}) |"
@@ -446,53 +455,76 @@ ARM_FIELDS = ("key", "name", "rank", "sparsity", "factor", "budget", "alpha", "m
 
 
 def merge(paths: list, sweeps: list = ()) -> dict:
-    """One result from runs made side by side with the same settings (disjoint arms, or disjoint
-    seeds of one arm at one lr): arms in :data:`ARM_KEYS` order, an arm's seeds joined in seed
-    order and its mean and std recomputed, the comparisons recomputed, the wall time of the
-    longest.
+    """One result from runs made side by side with the same settings.
+
+    ``paths``: runs at a fixed lr (disjoint seeds of an arm at one lr, any arms). ``sweeps``:
+    sweep runs (seed 0 at several lrs, validation and test scored). An arm's rows are one per lr,
+    its seeds joined in seed order, mean and std recomputed; a sweep's test score at an lr with a
+    row is that row's seed 0 (added where the row lacks seed 0; where it has one, the two runs
+    must agree, a check that the recipe is deterministic). An arm's row at its sweep's best
+    validation lr is its ``best`` row; the comparisons pair best rows, and rows at equal lrs.
 
     Raises:
-        ValueError: settings that differ, a seed of an arm in two files, one arm at two
-            learning rates, or base scores that disagree.
+        ValueError: settings that differ, a seed of an arm at one lr in two files, a sweep in a
+            fixed-lr file, a seed 0 the sweep does not reproduce, or base scores that disagree.
     """
     parts = [json.loads(Path(x).read_text()) for x in paths]
+    swept = [json.loads(Path(x).read_text()) for x in sweeps]
     first = parts[0]
-    for path, part in zip(paths[1:], parts[1:]):
-        diff = [k for k in SAME if part[k] != first[k]]
+    for path, part in list(zip(paths, parts))[1:] + list(zip(sweeps, swept)):
+        keys = SAME if part in parts else [k for k in SAME if k != "grid"]
+        diff = [k for k in keys if part[k] != first[k]]
         if diff:
             raise ValueError(f"{path} was run with other settings than {paths[0]}: {diff}")
         for split, score in (part["base"] or {}).items():
             for metric, value in score.items():
-                if not math.isclose(value, first["base"][split][metric], rel_tol=1e-4):
+                if first["base"] and not math.isclose(value, first["base"][split][metric],
+                                                      rel_tol=1e-4):  # fmt: skip
                     raise ValueError(f"{path}: base {split} {metric} {value} differs from "
                                      f"{first['base'][split][metric]} in {paths[0]}")  # fmt: skip
+    base_scores = next((p["base"] for p in parts + swept if p["base"]), None)
+    sweep_of = {a["key"]: a for part in swept for a in part["arms"]}
     groups = {}
     for part in parts:
         for a in part["arms"]:
-            groups.setdefault(a["key"], []).append(a)
-    arms_ = []
-    for key, rows in groups.items():
-        if len(rows) == 1:
-            arms_.append(rows[0])
-            continue
-        seeds = [s for r in rows for s in r["test_seeds"]]
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"arm {key}: a seed is in more than one file: {sorted(seeds)}")
-        if len({r["best_lr"] for r in rows}) > 1 or any(r["swept"] for r in rows):
-            raise ValueError(f"arm {key} is in more than one file at more than one lr (or swept)")
-        sw = {float(k): v for r in rows for k, v in r["sweep"].items()}
-        by_seed = sorted((s, {"loss": lo, "exact_match": em})
-                         for r in rows
-                         for s, lo, em in zip(r["test_seeds"], r["test_loss"], r["test_em"]))  # fmt: skip
-        base = {k: v for k, v in rows[0].items() if k in ARM_FIELDS}
-        arms_.append(summarize(base, sw, rows[0]["best_lr"], False, [t for _, t in by_seed],
-                               seeds=[s for s, _ in by_seed]))  # fmt: skip
-    res = dict(first, arms=sorted(arms_, key=lambda a: ARM_KEYS.index(a["key"])),
-               wall_s=max(part["wall_s"] for part in parts), merged_from=[str(x) for x in paths],
-               processes=len(parts), machine=first["machine"])  # fmt: skip
+            if a["swept"]:
+                raise ValueError(f"arm {a['key']} is swept in a --merge file; pass it in --sweeps")
+            groups.setdefault((a["key"], a["best_lr"]), []).append(a)
+    arms_, checks = [], []
+    for (key, lr), rows in groups.items():
+        by_seed = {}
+        for r in rows:
+            for seed, lo, em in zip(r["test_seeds"], r["test_loss"], r["test_em"]):
+                if seed in by_seed:
+                    raise ValueError(f"arm {key} at lr {lr}: seed {seed} is in more than one file")
+                by_seed[seed] = {"loss": lo, "exact_match": em}
+        sw = sweep_of.get(key)
+        best_lr, at_edge, cells = lr, False, {}
+        if sw is not None:
+            cells = {float(k): v for k, v in sw["sweep"].items()}
+            best_lr, at_edge = sw["best_lr"], sw["best_at_edge"] and sw["best_lr"] == lr
+            if lr in cells:
+                t = cells[lr]["test"]
+                if 0 in by_seed:
+                    same = math.isclose(t["loss"], by_seed[0]["loss"], rel_tol=1e-6)
+                    checks.append(dict(key=key, lr=lr, sweep=t["loss"], fixed=by_seed[0]["loss"],
+                                       same=same))  # fmt: skip
+                else:
+                    by_seed[0] = t
+        seeds = sorted(by_seed)
+        arm = {k: v for k, v in rows[0].items() if k in ARM_FIELDS}
+        row = summarize(arm, cells, lr, at_edge, [by_seed[x] for x in seeds], seeds=seeds)
+        row["best"] = sw is None or lr == best_lr
+        if not row["best"]:
+            row["name"] = f"{row['name']} at lr {lr:.0e}"
+        arms_.append(row)
+    res = dict(first, base=base_scores, wall_s=max(p["wall_s"] for p in parts + swept),
+               arms=sorted(arms_, key=lambda a: (ARM_KEYS.index(a["key"]), not a["best"],
+                                                 a["best_lr"])),
+               merged_from=[str(x) for x in paths], merged_sweeps=[str(x) for x in sweeps],
+               processes=len(parts) + len(swept), machine=first["machine"],
+               sweeps=[a for part in swept for a in part["arms"]], seed0_checks=checks)  # fmt: skip
     res["seeds"] = max(len(a["test_loss"]) for a in res["arms"])
-    res["sweeps"] = [a for x in sweeps for a in json.loads(Path(x).read_text())["arms"]]
-    res["merged_sweeps"] = [str(x) for x in sweeps]
     res["comparisons"] = comparisons(res["arms"])
     return res
 

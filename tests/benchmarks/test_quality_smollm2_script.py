@@ -223,5 +223,40 @@ def test_merge_joins_seeds_of_one_arm_in_seed_order(tmp_path):
     ref = stats.ttest_ind([1.75, 1.6, 1.65], [1.8, 1.7, 1.9], equal_var=False)
     assert c["loss"]["t"] == pytest.approx(ref.statistic) and c["loss"]["p"] == pytest.approx(ref.pvalue)
     assert "not swept here" in q.markdown(res) and "(fixed)" in q.markdown(res)
-    with pytest.raises(ValueError, match="seed is in more than one file"):
+    with pytest.raises(ValueError, match=r"seed \d+ is in more than one file"):
         q.merge(paths + [paths[0]])
+
+
+def test_merge_takes_seed_0_and_the_best_lr_from_a_sweep(tmp_path):
+    """A sweep (seed 0 at 1e-3, 1e-2; best on validation: 1e-2) joins the fixed-lr seeds 1, 2 at
+    1e-2 as their seed 0; a fixed-lr row at the other lr stays a row of its own."""
+    arm = {a["key"]: a for a in q.arms(0.9, torch.float32)}["squash_both_eq16"]
+    sw = {1e-3: {"val": {"loss": 1.5, "exact_match": 0.0}, "test": {"loss": 1.7, "exact_match": 0.0}},
+          1e-2: {"val": {"loss": 1.2, "exact_match": 0.0}, "test": {"loss": 1.4, "exact_match": 0.1}}}  # fmt: skip
+    row = q.summarize(arm, sw, 1e-2, True, [sw[1e-2]["test"]])
+    sweep = dict(json.loads(_seed_part(tmp_path, "squash_both_eq16", 0, 1.0, 0.0).read_text()),
+                 arms=[row], grid=[1e-3, 1e-2])
+    sweep_path = tmp_path / "sweep.json"
+    sweep_path.write_text(json.dumps(sweep))
+    fixed = []
+    for seed, loss in ((1, 1.5), (2, 1.3)):
+        path = _seed_part(tmp_path, "squash_both_eq16", seed, loss, 0.2)
+        part = json.loads(path.read_text())
+        part["arms"][0]["best_lr"] = 1e-2
+        path.write_text(json.dumps(part))
+        fixed.append(path)
+    other = _seed_part(tmp_path / "..", "squash_both_eq16", 0, 1.9, 0.0)  # at 3e-3
+    ql = [_seed_part(tmp_path, "qlora_r16", s, x, 0.0) for s, x in ((0, 1.45), (1, 1.43))]
+    res = q.merge(fixed + [other] + ql, [sweep_path])
+    rows = [a for a in res["arms"] if a["key"] == "squash_both_eq16"]
+    best = [a for a in rows if a["best"]][0]
+    assert best["best_lr"] == 1e-2 and best["test_seeds"] == [0, 1, 2]
+    assert best["test_loss"] == [1.4, 1.5, 1.3] and best["test_loss_mean"] == pytest.approx(1.4)
+    assert best["test_em"] == [0.1, 0.2, 0.2]
+    (at3,) = [a for a in rows if not a["best"]]
+    assert at3["best_lr"] == 3e-3 and at3["name"].endswith("at lr 3e-03")
+    # best against best, then the equal-lr pair (3e-3 both)
+    assert [(c["squash_name"], c["qlora"]) for c in res["comparisons"]] == [
+        (best["name"], "qlora_r16"), (at3["name"], "qlora_r16")]
+    ref = stats.ttest_ind([1.4, 1.5, 1.3], [1.45, 1.43], equal_var=False)
+    assert res["comparisons"][0]["loss"]["t"] == pytest.approx(ref.statistic)
