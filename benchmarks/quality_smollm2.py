@@ -288,7 +288,8 @@ def sweep(arm: dict, grid: list, max_widen: int, run) -> tuple:
     """Validation loss per lr; widen the log grid by one step past an edge that holds the best."""
     results = {}
     for lr in grid:
-        results[_lr(lr)] = run(arm, _lr(lr), 0)
+        if _lr(lr) not in results:  # a grid of one lr twice: one run, scored on validation too
+            results[_lr(lr)] = run(arm, _lr(lr), 0)
     ratio = grid[1] / grid[0]
     widened = 0
     while widened < max_widen:
@@ -472,8 +473,8 @@ def merge(paths: list, sweeps: list = ()) -> dict:
     swept = [json.loads(Path(x).read_text()) for x in sweeps]
     first = parts[0]
     for path, part in list(zip(paths, parts))[1:] + list(zip(sweeps, swept)):
-        keys = SAME if part in parts else [k for k in SAME if k != "grid"]
-        diff = [k for k in keys if part[k] != first[k]]
+        # the grid may differ: each row records its lr, each sweep its cells
+        diff = [k for k in SAME if k != "grid" and part[k] != first[k]]
         if diff:
             raise ValueError(f"{path} was run with other settings than {paths[0]}: {diff}")
         for split, score in (part["base"] or {}).items():
@@ -483,7 +484,14 @@ def merge(paths: list, sweeps: list = ()) -> dict:
                     raise ValueError(f"{path}: base {split} {metric} {value} differs from "
                                      f"{first['base'][split][metric]} in {paths[0]}")  # fmt: skip
     base_scores = next((p["base"] for p in parts + swept if p["base"]), None)
-    sweep_of = {a["key"]: a for part in swept for a in part["arms"]}
+    # an arm's sweeps joined (e.g. a grid extended by a later run): best validation loss, edge
+    sweep_of = {}
+    for a in (a for part in swept for a in part["arms"]):
+        cells = dict(sweep_of.get(a["key"], {}).get("sweep", {}), **a["sweep"])
+        lrs = sorted(cells, key=float)
+        best = min(lrs, key=lambda lr: cells[lr]["val"]["loss"])
+        sweep_of[a["key"]] = dict(a, sweep=cells, best_lr=float(best),
+                                  best_at_edge=best in (lrs[0], lrs[-1]))  # fmt: skip
     groups = {}
     for part in parts:
         for a in part["arms"]:
@@ -523,7 +531,7 @@ def merge(paths: list, sweeps: list = ()) -> dict:
                                                  a["best_lr"])),
                merged_from=[str(x) for x in paths], merged_sweeps=[str(x) for x in sweeps],
                processes=len(parts) + len(swept), machine=first["machine"],
-               sweeps=[a for part in swept for a in part["arms"]], seed0_checks=checks)  # fmt: skip
+               sweeps=list(sweep_of.values()), seed0_checks=checks)  # fmt: skip
     res["seeds"] = max(len(a["test_loss"]) for a in res["arms"])
     res["comparisons"] = comparisons(res["arms"])
     return res
