@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py            # the full run (README: "Quality at equal memory")
     python benchmarks/quality.py --quick    # a smoke run of every stage, for the tests
+    python benchmarks/quality.py --model smollm2 ...  # SmolLM2-135M: benchmarks/quality_smollm2.py
 
 The task (generated, deterministic for ``--data-seed``): sequences of 3-6 letters from a
 16-letter alphabet. A small OPT is first pre-trained here (full fine-tune, plain PyTorch) on two
@@ -401,6 +402,15 @@ def verdict(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["--model", "smollm2"]:  # the real model: benchmarks/quality_smollm2.py
+        import importlib.util
+
+        path = Path(__file__).resolve().parent / "quality_smollm2.py"
+        spec = importlib.util.spec_from_file_location("quality_smollm2", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main(argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--rank", type=int, default=8, help="QLoRA's rank r (default 8)")

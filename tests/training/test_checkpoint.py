@@ -105,3 +105,24 @@ def test_merged_state_dict_is_base_plus_scaled_product_of_dense_factors():
     torch.testing.assert_close(merged["proj.weight"], expected)
     dense = exports.dense_adapter(model.state_dict(), layout)
     torch.testing.assert_close(dense["proj.lora_a.weight"], a_dense)
+
+
+def test_adapter_state_is_the_adapter_part_of_the_full_state_dict():
+    """What load_adapter_into compares against, read from the adapter submodules only, equals
+    the lora_a / lora_b entries of model.state_dict(), also under activation checkpointing (whose
+    wrapper's prefix the full state dict drops) and beside torchtune's LoRALinear."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torchtune.modules.peft import LoRALinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.ModuleDict({
+        "q": SparseLoRALinear(64, 32, rank=4, alpha=8, sparsity=0.5, sparse_factor="both"),
+        "v": LoRALinear(64, 16, rank=2, alpha=4),
+    })  # fmt: skip
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([checkpoint_wrapper(layer)])})
+    full = {k: v for k, v in model.state_dict().items() if ".lora_a." in k or ".lora_b." in k}
+    own = ckpt._adapter_state(model)
+    assert sorted(own) == sorted(full) and len(full) == 6  # q: values+indices x2; v: 2 weights
+    assert all(torch.equal(own[k], full[k]) for k in full)
+    assert not any("_checkpoint_wrapped_module" in k for k in own)
+    ckpt.load_adapter_into(model, {k: v.clone() for k, v in full.items()}, Path("x"))
