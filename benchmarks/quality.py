@@ -308,7 +308,8 @@ def sweep(arm: dict, grid: list, max_widen: int, run) -> tuple:
     """Validation loss per lr; widen the log grid by one step past an edge that holds the best."""
     results = {}
     for lr in grid:
-        results[_lr(lr)] = run(arm, _lr(lr), 0)
+        if _lr(lr) not in results:  # a grid of one lr twice: one run, scored on validation too
+            results[_lr(lr)] = run(arm, _lr(lr), 0)
     ratio = grid[1] / grid[0]
     widened = 0
     while widened < max_widen:

@@ -62,6 +62,23 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa:
 
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
 
+
+def _load_quality():
+    """benchmarks/quality.py (the generated-task benchmark), loaded by path: its learning-rate
+    sweep, lr rounding and mean/std serve both scripts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "squash_bench_quality", Path(__file__).resolve().parent / "quality.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_quality = _load_quality()
+sweep, _lr, mean_std = _quality.sweep, _quality._lr, _quality.mean_std
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 IGNORE = CROSS_ENTROPY_IGNORE_IDX
@@ -190,10 +207,6 @@ def evaluate(model, samples: list, *, pad_id: int, stop_tokens: list, device, ba
 
 
 # ---- statistics -----------------------------------------------------------------------------
-def mean_std(values: list) -> tuple:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def welch(a: list, b: list) -> dict:
     """Welch's t of ``mean(a) - mean(b)``, its Welch-Satterthwaite degrees of freedom and the
     two-sided p; nan where either side has fewer than 2 values or both have no spread."""
@@ -282,34 +295,6 @@ def finetune(cfg: dict, splits: dict, base: bool = False) -> dict:
     finally:
         recipe.cleanup()
         shutil.rmtree(cfg["output_dir"], ignore_errors=True)
-
-
-def sweep(arm: dict, grid: list, max_widen: int, run) -> tuple:
-    """Validation loss per lr; widen the log grid by one step past an edge that holds the best."""
-    results = {}
-    for lr in grid:
-        if _lr(lr) not in results:  # a grid of one lr twice: one run, scored on validation too
-            results[_lr(lr)] = run(arm, _lr(lr), 0)
-    ratio = grid[1] / grid[0]
-    widened = 0
-    while widened < max_widen:
-        lrs = sorted(results)
-        best = min(lrs, key=lambda lr: results[lr]["val"]["loss"])
-        if best == lrs[0]:
-            new = lrs[0] / ratio
-        elif best == lrs[-1]:
-            new = lrs[-1] * ratio
-        else:
-            break
-        results[_lr(new)] = run(arm, _lr(new), 0)
-        widened += 1
-    lrs = sorted(results)
-    best = min(lrs, key=lambda lr: results[lr]["val"]["loss"])
-    return results, best, best in (lrs[0], lrs[-1])
-
-
-def _lr(lr: float) -> float:
-    return float(f"{lr:.6g}")
 
 
 def summarize(arm: dict, sw: dict, best: float, at_edge: bool, test: list,
