@@ -15,6 +15,9 @@ generation) and the evaluation are torchtune's, loaded from its wheel. Two thing
   construction; here it gets a one-layer stand-in of the checkpoint's own ``config.json`` and the
   checkpoint's tokenizer, then the torchtune model replaces it as torchtune's wrapper does.
 
+squash's local tasks (``squash/eval_tasks``: ``squash_facts``) are always on lm-eval's task path;
+``include_path`` (a directory or a list) adds task directories of the user's own.
+
 Raises:
     RuntimeError: lm-eval older than 0.4.5 is installed.
     FileNotFoundError: ``checkpointer.checkpoint_dir`` has no ``config.json`` or tokenizer.
@@ -33,6 +36,7 @@ from torchtune import config, training, utils
 from torchtune._recipe_registry import get_all_recipes
 
 import squash  # noqa: F401  (registers ${squash_asset:NAME}, which the configs use)
+from squash.eval_tasks import TASK_DIR
 
 
 def _load_torchtune_recipe(name: str):
@@ -95,6 +99,15 @@ class _OfflineLLMEvalWrapper(_TORCHTUNE_EVAL._LLMEvalWrapper):
         self._enable_kv_cache = enable_kv_cache
 
 
+def _task_paths(include_path) -> list:
+    """squash's task directory, then the config's ``include_path`` (None, a path or a list)."""
+    extra = [] if include_path is None else (
+        [include_path] if isinstance(include_path, (str, Path)) else list(include_path)
+    )
+    paths = [str(TASK_DIR)] + [str(p) for p in extra]
+    return list(dict.fromkeys(paths))  # a path named twice is scanned once
+
+
 class EleutherEvalRecipe(_TorchtuneEleutherEvalRecipe):
     """torchtune's ``EleutherEvalRecipe`` with a numeric lm-eval version check (see the module
     docstring); ``setup`` and ``evaluate`` are torchtune's."""
@@ -113,7 +126,7 @@ class EleutherEvalRecipe(_TorchtuneEleutherEvalRecipe):
         self.tasks = list(cfg.tasks)
         self.batch_size = cfg.batch_size
         self.enable_kv_cache = cfg.get("enable_kv_cache", True)
-        self.include_path = cfg.get("include_path", None)
+        self.include_path = _task_paths(cfg.get("include_path", None))
 
     def setup(self, cfg: DictConfig) -> None:
         """torchtune's setup, with the offline wrapper for text-only models."""

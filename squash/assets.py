@@ -6,7 +6,6 @@ out with ``squash cp`` runs from any directory and after a regular ``pip install
 
     checkpoint_dir: ${squash_asset:tiny_opt}
     vocab_path: ${squash_asset:tiny_opt}/vocab.json
-    include_path: ${squash_asset:eval_tasks}   # squash's lm-eval tasks (squash/eval_tasks)
 """
 
 from pathlib import Path
