@@ -68,3 +68,31 @@ def rehash_checkpoint(path: Path) -> None:
 @pytest.fixture
 def run():
     return tune_run
+
+
+def nf4_reference_llama(checkpoint_dir: Path):
+    """transformers' ``LlamaForCausalLM`` of an HF checkpoint (fp32) whose decoder linears are
+    replaced by torchao's dequantization of their NF4 quantization, with the block sizes squash
+    picks (``nf4_block_sizes``). Each weight is quantized in torchtune's layout, where squash's
+    NF4 base holds it (q and k rows permuted for torchtune's RoPE), and converted back, so this
+    is the model an NF4 base computes, built from transformers and torchao alone."""
+    import torch
+    import transformers
+    from torchao.dtypes.nf4tensor import to_nf4
+    from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
+
+    from squash.modules._nf4 import nf4_block_sizes
+
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    c = model.config
+    sizes = dict(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                 dim=c.hidden_size)  # fmt: skip
+    tune = hf_to_tune(model.state_dict(), **sizes)
+    for key, value in tune.items():
+        if key.startswith("layers.") and value.dim() == 2:  # the seven linears of each layer
+            block, scaler = nf4_block_sizes(key, tuple(value.shape))
+            tune[key] = to_nf4(value.contiguous(), block, scaler).get_original_weight()
+    missing, unexpected = model.load_state_dict(tune_to_hf(tune, **sizes), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()

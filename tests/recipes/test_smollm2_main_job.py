@@ -1,6 +1,7 @@
 """The main job's config, copied out with ``squash cp`` into an empty directory, runs there on
 the downloaded SmolLM2-135M-Instruct; its held-out loss before training equals transformers'
-LlamaForCausalLM's on the same samples (the adapters start at zero on an fp32 base)."""
+LlamaForCausalLM's on the same samples, its decoder linears dequantized from NF4 by torchao (the
+adapters start at zero on the config's NF4 base)."""
 
 import re
 import subprocess
@@ -10,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.recipes.conftest import nf4_reference_llama
+
 BIN = Path(sys.executable).parent
 
 
 @pytest.mark.smollm2
 @pytest.mark.slow
 def test_copied_smollm2_config_runs_from_an_empty_directory(smollm2_checkpoint, tmp_path):
-    import transformers
-
     from squash.datasets import unicode_names_dataset
     from squash.models.smollm2 import smollm2_tokenizer
 
@@ -41,7 +42,7 @@ def test_copied_smollm2_config_runs_from_an_empty_directory(smollm2_checkpoint, 
 
     tok = smollm2_tokenizer(ckpt, max_seq_len=96)
     ds = unicode_names_dataset(tok, split="validation", max_samples=3)
-    hf = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    hf = nf4_reference_llama(ckpt)
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(3):
