@@ -1,10 +1,12 @@
 """Memory and speed of a fine-tuning step: squash against torchtune's QLoRA, side by side.
 
 On an OPT-350M-shaped model (hidden 1024, MLP 4096, vocabulary 50,272; ``--layers`` of its 24
-layers; random weights, or ``--checkpoint-dir`` with a real HF checkpoint), adapters on q, k, v,
-output projections and both MLP linears, one process builds every row's model and times their
-training steps (forward, backward, AdamW step) in interleaved rounds, so load from elsewhere hits
-all rows alike. The rows:
+layers; random weights, or ``--checkpoint-dir`` with a real HF checkpoint; adapters on q, k, v,
+output projections and both MLP linears) or, with ``--model smollm2``, on SmolLM2-135M (30 layers,
+hidden 576, MLP 1536, 3 KV heads, tied embeddings; adapters on all seven linears; the real
+weights from ``--checkpoint-dir``, what ``squash download smollm2-135m-instruct`` wrote, or random
+ones), one process builds every row's model and times their training steps (forward, backward,
+AdamW step) in interleaved rounds, so load from elsewhere hits all rows alike. The rows:
 
 - ``torchtune QLoRA r``: torchtune's ``LoRALinear`` on NF4 weights (what torchtune's
   ``lora_finetune_single_device`` trains with a ``qlora_*`` model): the baseline.
@@ -12,6 +14,10 @@ all rows alike. The rows:
   in the baseline's (``squash.training.max_rank_within``), with A 90% sparse and with A and B.
 - the same with a mask update every ``--mask-every`` steps (update steps timed on their own).
 - ``LoRA r, no quantization``: dense base weights.
+
+Each row also gets its step's matmul floor: the matmul FLOPs of its step (``profile_step.py``'s
+``model_flops``: base linears forward and input gradient, adapter factors at their density, the
+output head, attention) divided by this host's dense matmul rate, measured in the same process.
 
 Peak memory is measured per row in a fresh process, during one step after a warm-up step (on
 the CPU the process's peak resident memory, VmHWM, reset through ``/proc/self/clear_refs``; on a
@@ -23,6 +29,7 @@ can be tied to what the recipes do. The table is printed and written to ``benchm
 
     python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
     python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
+    python benchmarks/finetune.py --model smollm2 --checkpoint-dir DIR   # SmolLM2-135M, 30 layers
 """
 
 import argparse
@@ -42,18 +49,25 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffi_kernels import machine_line  # noqa: E402
+from profile_step import dense_rate, model_flops  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 OPT_350M = dict(vocab_size=50_272, num_heads=16, embed_dim=1024, intermediate_dim=4096,
                 max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False)  # fmt: skip
+SMOLLM2 = dict(vocab_size=49_152, num_heads=9, num_kv_heads=3, embed_dim=576, intermediate_dim=1536,
+               max_seq_len=8192, rope_base=100_000, norm_eps=1e-5, scale_factor=1,
+               tie_word_embeddings=True)  # squash.models.smollm2's sizes, layers from --layers
+FAMILIES = {"opt350m": ("OPT-350M", 24), "smollm2": ("SmolLM2-135M", 30)}  # name, layers
 MODULES = ["q_proj", "k_proj", "v_proj", "output_proj"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=24, help="decoder layers (OPT-350M: 24)")
+    p.add_argument("--model", dest="family", choices=sorted(FAMILIES), default="opt350m")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: all, OPT-350M 24, SmolLM2 30)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample")
     p.add_argument("--rank", type=int, default=16, help="the baseline's rank")
@@ -62,24 +76,34 @@ def parse_args(argv=None):
     p.add_argument("--mask-every", type=int, default=2, help="mask update every N steps")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU")
-    p.add_argument("--checkpoint-dir", default=None, help="a real HF OPT checkpoint directory")
-    p.add_argument("--vocab-size", type=int, default=OPT_350M["vocab_size"],
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="a real HF checkpoint directory of the --model family")
+    p.add_argument("--vocab-size", type=int, default=None,
                    help="of the random model (smaller: a quick check of the script)")
     p.add_argument("--no-recipes", action="store_true", help="skip the tune run rows")
     p.add_argument("--out", default=str(RESULTS), help="directory for the table")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: one row's peak memory
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
-    args.model = dict(OPT_350M, vocab_size=args.vocab_size)
+    sizes = OPT_350M if args.family == "opt350m" else SMOLLM2
+    args.model = dict(sizes, vocab_size=args.vocab_size or sizes["vocab_size"])
+    args.layers = args.layers or FAMILIES[args.family][1]
+    if args.family == "smollm2" and not args.no_recipes and not args.checkpoint_dir:
+        p.error("--model smollm2 runs the recipes on the real model: give --checkpoint-dir "
+                "(squash download smollm2-135m-instruct --output-dir DIR) or --no-recipes")
     if args.steps <= args.mask_every:
         p.error(f"--steps ({args.steps}) must exceed --mask-every ({args.mask_every})")
     return args
 
 
 # ---- the rows -------------------------------------------------------------------------------------
-def shapes(layers: int):
-    d, f = OPT_350M["embed_dim"], OPT_350M["intermediate_dim"]
-    return [(d, d)] * 4 * layers + [(d, f), (f, d)] * layers
+def shapes(args):
+    """``(in, out)`` of every adapted linear."""
+    d, f = args.model["embed_dim"], args.model["intermediate_dim"]
+    if args.family == "opt350m":
+        return [(d, d)] * 4 * args.layers + [(d, f), (f, d)] * args.layers
+    kv = args.model["num_kv_heads"] * d // args.model["num_heads"]
+    return [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] * args.layers
 
 
 def rows(args):
@@ -87,10 +111,9 @@ def rows(args):
     from squash.training import lora_adapter_memory, max_rank_within
 
     dtype, s = DTYPES[args.dtype], args.sparsity
-    budget = lora_adapter_memory(shapes(args.layers), args.rank, dtype=dtype).total_bytes
-    r_both = max_rank_within(budget, shapes(args.layers), sparsity=s, sparse_factor="both",
-                             dtype=dtype)
-    r_a = max_rank_within(budget, shapes(args.layers), sparsity=s, sparse_factor="a", dtype=dtype)
+    budget = lora_adapter_memory(shapes(args), args.rank, dtype=dtype).total_bytes
+    r_both = max_rank_within(budget, shapes(args), sparsity=s, sparse_factor="both", dtype=dtype)
+    r_a = max_rank_within(budget, shapes(args), sparsity=s, sparse_factor="a", dtype=dtype)
     r, pct = args.rank, f"{round(s * 100)}%"
     q = dict(quantize_base=True)
     return [
@@ -112,13 +135,34 @@ def build(args, kwargs, base_state_dict):
     from squash.models.opt import lora_opt
 
     with training.set_default_dtype(DTYPES[args.dtype]), torch.device(args.device):
-        model = lora_opt(MODULES, True, num_layers=args.layers, lora_alpha=2 * kwargs["lora_rank"],
-                         **args.model, **kwargs)  # fmt: skip
+        if args.family == "opt350m":
+            model = lora_opt(MODULES, True, num_layers=args.layers,
+                             lora_alpha=2 * kwargs["lora_rank"], **args.model, **kwargs)  # fmt: skip
+        else:
+            model = _smollm2(args, **kwargs)
     model.load_state_dict(base_state_dict, strict=False)
     set_trainable_params(model, get_adapter_params(model))
     model.set_num_output_chunks(8)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, optimizer
+
+
+def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor=None):
+    """SmolLM2 with ``args.layers`` layers as ``squash.models.smollm2``'s builders make it:
+    torchtune's ``lora_llama3_2``, NF4 bases with block sizes chosen per weight
+    (``quantize_base_``), then, for squash, FFI-sparse adapters swapped in."""
+    from torchtune.models.llama3_2._component_builders import lora_llama3_2
+
+    from squash.modules import swap_lora_linear
+    from squash.modules._nf4 import quantize_base_
+
+    model = lora_llama3_2(MODULES, True, num_layers=args.layers, lora_rank=lora_rank,
+                          lora_alpha=2 * lora_rank, quantize_base=False, **args.model)  # fmt: skip
+    if quantize_base:
+        quantize_base_(model)
+    if sparsity is not None:
+        model = swap_lora_linear(model, sparsity=sparsity, sparse_factor=sparse_factor)
+    return model
 
 
 def make_batch(args):
@@ -151,10 +195,16 @@ def _sync(device):
 
 
 def base_state_dict(args, ckpt_dir: Path):
+    from torchtune.training import FullModelHFCheckpointer
+
     from squash.models.opt import OPTCheckpointer
 
     with tempfile.TemporaryDirectory() as out:
-        sd = OPTCheckpointer(str(ckpt_dir), _weight_files(ckpt_dir), out).load_checkpoint()
+        if args.family == "opt350m":
+            loader = OPTCheckpointer(str(ckpt_dir), _weight_files(ckpt_dir), out)
+        else:
+            loader = FullModelHFCheckpointer(str(ckpt_dir), _weight_files(ckpt_dir), "LLAMA3_2", out)
+        sd = loader.load_checkpoint()
     return {k: v.to(DTYPES[args.dtype]) for k, v in sd["model"].items()}
 
 
@@ -167,8 +217,21 @@ def _weight_files(ckpt_dir: Path):
 
 def write_random_checkpoint(args, path: Path) -> Path:
     """An OPT-350M-shaped HF checkpoint with ``args.layers`` layers and random weights, plus the
-    tiny OPT's tokenizer files (its ids are a subset of OPT's)."""
+    tiny OPT's tokenizer files (its ids are a subset of OPT's); or a SmolLM2-shaped one (no
+    tokenizer: its recipe rows need the real checkpoint)."""
     import transformers
+
+    if args.family == "smollm2":
+        m = args.model
+        config = transformers.LlamaConfig(
+            vocab_size=m["vocab_size"], hidden_size=m["embed_dim"], intermediate_size=m["intermediate_dim"],
+            num_hidden_layers=args.layers, num_attention_heads=m["num_heads"],
+            num_key_value_heads=m["num_kv_heads"], rope_theta=m["rope_base"],
+            rms_norm_eps=m["norm_eps"], tie_word_embeddings=True, max_position_embeddings=8192,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+        return path
 
     config = transformers.OPTConfig(
         vocab_size=args.model["vocab_size"], hidden_size=1024, num_hidden_layers=args.layers,
@@ -239,11 +302,15 @@ def time_rows(args, ckpt_dir: Path) -> list:
     from squash.training import adapter_memory
 
     base = base_state_dict(args, ckpt_dir)
-    built = []
+    built, flops = [], []
+    head_dim = args.model["embed_dim"] // args.model["num_heads"]
     for label, kwargs, mask in rows(args):
         model, optimizer = build(args, kwargs, base)
         built.append((label, model, optimizer, mask, adapter_memory(model)))
+        flops.append(model_flops(model, args.batch, args.seq_len, head_dim)["total"])
     del base
+    rate = dense_rate(args.batch * args.seq_len, args.model["embed_dim"], DTYPES[args.dtype],
+                      args.device)  # fmt: skip
     tokens = make_batch(args)
     times = [[] for _ in built]
     update_times = [[] for _ in built]
@@ -259,7 +326,8 @@ def time_rows(args, ckpt_dir: Path) -> list:
         print(f"  timing round {round_}/{args.steps} done", flush=True)
     return [
         dict(label=label, memory=mem, step_s=statistics.median(times[i]),
-             step_spread=(min(times[i]), max(times[i])),
+             step_spread=(min(times[i]), max(times[i])), floor_s=flops[i] / rate,
+             flops=flops[i], rate=rate,
              update_s=statistics.median(update_times[i]) if update_times[i] else None)
         for i, (label, _, _, _, mem) in enumerate(built)
     ]  # fmt: skip
@@ -268,24 +336,36 @@ def time_rows(args, ckpt_dir: Path) -> list:
 # ---- the recipes --------------------------------------------------------------------------------
 def recipe_config(args, ckpt_dir: Path, out: Path, recipe: str) -> Path:
     squash = recipe == "squash_finetune"
-    model = {"_component_": "squash.models.opt.lora_opt", "lora_attn_modules": MODULES,
-             "apply_lora_to_mlp": True, "num_layers": args.layers, **args.model,
-             "lora_rank": args.rank, "lora_alpha": 2 * args.rank, "quantize_base": True}
-    if squash:
-        r_both = next(kw["lora_rank"] for _, kw, m in rows(args)
-                      if kw.get("sparse_factor") == "both" and not m)
-        model.update(lora_rank=r_both, lora_alpha=2 * r_both, sparsity=args.sparsity,
-                     sparse_factor="both")
+    r_both = next(kw["lora_rank"] for _, kw, m in rows(args)
+                  if kw.get("sparse_factor") == "both" and not m)
+    sparse = dict(lora_rank=r_both, lora_alpha=2 * r_both, sparsity=args.sparsity,
+                  sparse_factor="both")
+    if args.family == "opt350m":
+        model = {"_component_": "squash.models.opt.lora_opt", "lora_attn_modules": MODULES,
+                 "apply_lora_to_mlp": True, "num_layers": args.layers, **args.model,
+                 "lora_rank": args.rank, "lora_alpha": 2 * args.rank, "quantize_base": True}
+        if squash:
+            model.update(sparse)
+        tokenizer = {"_component_": "squash.models.opt.opt_tokenizer",
+                     "vocab_path": str(ckpt_dir / "vocab.json"),
+                     "merges_path": str(ckpt_dir / "merges.txt"), "max_seq_len": args.seq_len}
+        checkpointer = {"_component_": "squash.models.opt.OPTCheckpointer"}
+    else:  # the real SmolLM2 (30 layers): squash's builders, torchtune's HF checkpointer
+        builder = "squash_smollm2_135m" if squash else "lora_smollm2_135m"
+        model = {"_component_": f"squash.models.smollm2.{builder}", "lora_attn_modules": MODULES,
+                 "apply_lora_to_mlp": True, "lora_rank": args.rank, "lora_alpha": 2 * args.rank,
+                 "quantize_base": True, **(sparse if squash else {})}
+        tokenizer = {"_component_": "squash.models.smollm2.smollm2_tokenizer",
+                     "path": str(ckpt_dir), "max_seq_len": args.seq_len}
+        checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer",
+                        "model_type": "LLAMA3_2"}
+    checkpointer.update(checkpoint_dir=str(ckpt_dir), checkpoint_files=_weight_files(ckpt_dir),
+                        output_dir=str(out))
     text = out.parent / "corpus.txt"
     text.write_text((REPO / "assets" / "tiny_opt" / "corpus.txt").read_text() * 40)
     cfg = {
         "output_dir": str(out), "model": model, "seed": 0, "shuffle": False,
-        "tokenizer": {"_component_": "squash.models.opt.opt_tokenizer",
-                      "vocab_path": str(ckpt_dir / "vocab.json"),
-                      "merges_path": str(ckpt_dir / "merges.txt"), "max_seq_len": args.seq_len},
-        "checkpointer": {"_component_": "squash.models.opt.OPTCheckpointer",
-                         "checkpoint_dir": str(ckpt_dir), "checkpoint_files": _weight_files(ckpt_dir),
-                         "output_dir": str(out)},
+        "tokenizer": tokenizer, "checkpointer": checkpointer,
         "resume_from_checkpoint": False, "save_adapter_weights_only": True,
         "dataset": {"_component_": "torchtune.datasets.text_completion_dataset",
                     "source": "text", "data_files": str(text), "packed": True},
@@ -347,14 +427,17 @@ def table(args, timed, peaks, recipes) -> str:
         f"# Fine-tuning step: squash vs torchtune QLoRA ({time.strftime('%Y-%m-%d')})",
         "",
         f"{machine_line(args.device, DTYPES[args.dtype])}; {_isa(args.device)}",
-        f"OPT-350M shapes, {args.layers} of 24 layers, adapters on q, k, v, output, fc1, fc2; "
+        f"{_shapes_line(args)}; "
         f"{args.batch} x {args.seq_len} = {tokens} tokens a step; AdamW; step = forward + "
         f"backward + optimizer step, median of {args.steps} interleaved rounds (min-max in "
         f"brackets); peak = {PEAK_CPU if args.device == 'cpu' else PEAK_GPU}; "
-        f"x = ratio to the first row.",
+        f"x = ratio to the first row; floor = the step's matmul FLOPs / this host's dense matmul "
+        f"rate ({timed[0]['rate'] / 1e9:.2f} GFLOP/s, {args.batch * args.seq_len} x "
+        f"{args.model['embed_dim']} x {4 * args.model['embed_dim']}, measured in this process).",
         "",
-        "| row | adapter params | adapter+grad+AdamW MiB | x | peak MiB | x | step s | x | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | adapter params | adapter+grad+AdamW MiB | x | peak MiB | x | step s | x | "
+        "tokens/s | floor s | step / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for t, p in zip(timed, peaks):
         m = t["memory"]
@@ -363,21 +446,28 @@ def table(args, timed, peaks, recipes) -> str:
             f"| {t['label']} | {m.trainable_params:,} | {m.total_bytes / mib:.1f} | "
             f"{m.total_bytes / base['memory'].total_bytes:.2f} | {p['step_peak'] / mib:.0f} | "
             f"{p['step_peak'] / base_peak:.2f} | {t['step_s']:.2f} [{lo:.2f}-{hi:.2f}] | "
-            f"{t['step_s'] / base['step_s']:.2f} | {tokens / t['step_s']:.0f} |"
+            f"{t['step_s'] / base['step_s']:.2f} | {tokens / t['step_s']:.0f} | "
+            f"{t['floor_s']:.4g} | {t['step_s'] / t['floor_s']:.2f} |"
         )
         if t["update_s"] is not None:
             lines.append(
                 f"| ... its mask-update step | | | | {p['update_peak'] / mib:.0f} | "
                 f"{p['update_peak'] / base_peak:.2f} ({p['update_peak'] / p['step_peak']:.2f} of "
                 f"its normal step) | {t['update_s']:.2f} | {t['update_s'] / base['step_s']:.2f} | "
-                f"{tokens / t['update_s']:.0f} |"
+                f"{tokens / t['update_s']:.0f} | | |"
             )
     for name, r in recipes.items():
         lines.append(
             f"| `tune run {name}` ({'squash, A+B' if name == 'squash_finetune' else 'torchtune QLoRA'}) "
-            f"| | | | {r['peak'] / mib:.0f} (whole process) | | | | {r['tokens_per_s']:.0f} (its log) |"
+            f"| | | | {r['peak'] / mib:.0f} (whole process) | | | | {r['tokens_per_s']:.0f} (its log) | | |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _shapes_line(args) -> str:
+    name, layers = FAMILIES[args.family]
+    linears = "q, k, v, output, fc1, fc2" if args.family == "opt350m" else "q, k, v, output, w1, w2, w3"
+    return f"{name} shapes, {args.layers} of {layers} layers, adapters on {linears}"
 
 
 def _isa(device: str) -> str:
@@ -400,7 +490,8 @@ def main(argv=None) -> int:
             args.layers = hf["num_hidden_layers"]
             args.model["vocab_size"] = hf["vocab_size"]
         else:
-            print(f"writing a random OPT-350M-shaped checkpoint ({args.layers} layers)", flush=True)
+            name = FAMILIES[args.family][0]
+            print(f"writing a random {name}-shaped checkpoint ({args.layers} layers)", flush=True)
             ckpt_dir = write_random_checkpoint(args, work / "checkpoint")
         print("timing the rows", flush=True)
         timed = time_rows(args, ckpt_dir)
@@ -417,7 +508,8 @@ def main(argv=None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"finetune_{args.device.split(':')[0]}_{args.dtype}_{args.layers}layers.md"
+    family = "" if args.family == "opt350m" else f"{args.family}_"
+    name = f"finetune_{args.device.split(':')[0]}_{args.dtype}_{family}{args.layers}layers.md"
     (out / name).write_text(text)
     print(f"written to {out / name}")
     return 0

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffi_kernels import machine_line  # noqa: E402
-from profile_step import _nf4_blocks  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1024, 1024), (4096, 1024)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -37,12 +36,13 @@ def _sync(device):
 
 
 def bench(shape, dtype, device, tokens, rounds):
-    from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+    from torchao.dtypes.nf4tensor import linear_nf4
 
+    from squash.modules._nf4 import quantize_nf4
     from squash.ops import nf4_dequantize, nf4_linear
 
     w = (torch.randn(shape) * 0.02).to(dtype=dtype, device=device)
-    q = to_nf4(w, *_nf4_blocks(w.numel()))
+    q = quantize_nf4(w)
     same = torch.equal(q.get_original_weight(), nf4_dequantize(q))
     x = torch.randn(tokens, shape[1], dtype=dtype, device=device, requires_grad=True)
     g = torch.randn(tokens, shape[0], dtype=dtype, device=device)
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype]
+    from squash.modules._nf4 import nf4_block_sizes
     from squash.ops import ensure_loaded, status
 
     ensure_loaded("cpu" if args.device == "cpu" else "cuda")
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
         def rng(k):
             return f"{med[k]:.2f} [{min(s[k]):.2f}-{max(s[k]):.2f}]"
 
-        blocks = "x".join(map(str, _nf4_blocks(shape[0] * shape[1])))
+        blocks = "x".join(map(str, nf4_block_sizes("weight", tuple(shape))))
         line = (f"| {shape[0]}x{shape[1]} | {blocks} | {same} | {rng('dequant torchao')} | "
                 f"{rng('dequant squash')} | {med['dequant torchao'] / med['dequant squash']:.1f} | "
                 f"{rng('linear torchao')} | {rng('linear squash')} | "

@@ -122,29 +122,18 @@ def dense_rate(tokens: int, hidden: int, dtype, device: str, repeats: int = 5) -
 
 
 # ---- the model ----------------------------------------------------------------------------------
-def _nf4_blocks(numel: int) -> tuple:
-    """torchao's (64, 256) where they divide, else the largest scaler block (then block) that does."""
-    for block in (64, 32, 16, 8, 4, 2):
-        if numel % block:
-            continue
-        n = numel // block
-        for sb in range(min(256, n), 0, -1):
-            if n % sb == 0:
-                return block, sb
-    raise ValueError(f"no NF4 block size divides {numel} elements")
-
-
 def quantize_bases(model: nn.Module) -> None:
-    """Put every adapted linear's base weight in NF4 (per-weight block sizes, as above)."""
+    """Put every adapted linear's base weight in NF4, block sizes chosen per weight as squash's
+    builders choose them (``nf4_block_sizes``)."""
     from torchtune.modules.peft import LoRALinear
 
     from squash.modules import SparseLoRALinear
-    from squash.modules._nf4 import to_nf4
+    from squash.modules._nf4 import quantize_nf4
 
     for m in model.modules():
         if isinstance(m, (LoRALinear, SparseLoRALinear)):
             w = m.weight.detach()
-            m.weight = nn.Parameter(to_nf4(w, *_nf4_blocks(w.numel())), requires_grad=False)
+            m.weight = nn.Parameter(quantize_nf4(w), requires_grad=False)
             m._quantize_base = True
 
 

@@ -1,7 +1,8 @@
-"""benchmarks/finetune.py on a one-layer OPT-350M slice: its table's memory columns agree with
-squash's memory arithmetic from shapes (the script measures the built models), its ranks are the
-largest that fit, and its ratio columns are the quotients of its other columns (no timing is
-asserted)."""
+"""benchmarks/finetune.py on a one-layer OPT-350M slice and a one-layer SmolLM2 slice: its table's
+memory columns agree with squash's memory arithmetic from shapes (the script measures the built
+models), its ranks are the largest that fit, its matmul floor is the step's FLOPs counted here by
+hand divided by the rate it prints, and its ratio columns are the quotients of its other columns
+(no timing is asserted)."""
 
 import re
 import subprocess
@@ -16,17 +17,46 @@ from squash.training import lora_adapter_memory, max_rank_within
 REPO = Path(__file__).resolve().parents[2]
 
 
+# one layer of each: (in, out) of the adapted linears, of the other frozen linears (OPT's
+# project_in and project_out), the output head's input size (tied: the embedding width), heads,
+# head dim, table file
+FAMILIES = {
+    "opt350m": ([(1024, 1024)] * 4 + [(1024, 4096), (4096, 1024)], [(512, 1024), (1024, 512)],
+                512, 16, 64, "finetune_cpu_fp32_1layers.md"),
+    "smollm2": ([(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536),
+                 (1536, 576)], [], 576, 9, 64, "finetune_cpu_fp32_smollm2_1layers.md"),
+}  # fmt: skip
+T, VOCAB = 32, 1024  # tokens a step (1 x 32), vocabulary of the random model
+
+
+def _step_flops(shapes, other, head_in, heads, head_dim, rank, factor):
+    """Matmul FLOPs of one step by hand: frozen linears forward + input gradient (2 products),
+    adapter factors forward + input + weight gradient (3) at their fan-in, the output head (2),
+    attention (Q K^T and P V forward, four products backward)."""
+    k = lambda n: max(1, round(0.1 * n))  # fan-in at 90% sparsity
+    total = sum(4 * T * i * o for i, o in shapes + other) + 4 * T * head_in * VOCAB
+    total += 12 * T * T * heads * head_dim
+    for i, o in shapes:
+        a_in = k(i) if factor in ("a", "both") else i
+        b_in = k(rank) if factor == "both" else rank
+        total += 6 * T * rank * a_in + 6 * T * o * b_in
+    return total
+
+
 @pytest.mark.slow
-def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path):
-    cmd = [sys.executable, str(REPO / "benchmarks" / "finetune.py"), "--layers", "1",
-           "--batch", "1", "--seq-len", "32", "--steps", "3", "--vocab-size", "1024",
-           "--no-recipes", "--out", str(tmp_path)]
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
+    shapes, other, head_in, heads, head_dim, name = FAMILIES[family]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "finetune.py"), "--model", family,
+           "--layers", "1", "--batch", "1", "--seq-len", str(T), "--steps", "3",
+           "--vocab-size", str(VOCAB), "--no-recipes", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (table,) = tmp_path.glob("finetune_cpu_fp32_1layers.md")
-    rows = [line.split("|")[1:-1] for line in table.read_text().splitlines()
+    (table,) = tmp_path.glob(name)
+    text = table.read_text()
+    rate = float(re.search(r"dense matmul rate \(([\d.]+) GFLOP/s", text).group(1)) * 1e9
+    rows = [line.split("|")[1:-1] for line in text.splitlines()
             if line.startswith("| ") and not line.startswith("| row")]
-    shapes = [(1024, 1024)] * 4 + [(1024, 4096), (4096, 1024)]
     budget = lora_adapter_memory(shapes, 16, dtype=torch.float32).total_bytes
     r_both = max_rank_within(budget, shapes, sparsity=0.9, sparse_factor="both", dtype=torch.float32)
     r_a = max_rank_within(budget, shapes, sparsity=0.9, sparse_factor="a", dtype=torch.float32)
@@ -57,5 +87,9 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path):
         lo, hi = (step - h) / (base_step + h), (step + h) / max(base_step - h, 1e-9)
         assert lo - h <= float(row[7]) <= hi + h
         assert 32 / (step + h) - 0.5 <= float(row[8]) <= 32 / max(step - h, 1e-9) + 0.5
+        # the floor, from FLOPs counted by hand and the printed rate (2 decimals of GFLOP/s)
+        floor = _step_flops(shapes, other, head_in, heads, head_dim, rank, factor) / rate
+        assert float(row[9]) == pytest.approx(floor, rel=0.01)
+        assert float(row[10]) == pytest.approx(step / float(row[9]), rel=0.05, abs=0.01)
     update = [r for r in rows if r[0].strip().startswith("...")]
     assert len(update) == 1 and float(update[0][4]) > 0
