@@ -91,10 +91,15 @@ def lora_smollm2_135m(
     )
     if quantize_base:
         quantize_base_(model)
-        # As torchtune's QLoRA builders: state dicts hold the NF4 bases dequantized to their
-        # dtype, offloaded to the CPU on the fly.
+        # As torchtune's QLoRA builders: state dicts hold the NF4 bases dequantized, offloaded
+        # to the CPU on the fly; in the model's dtype (the hook's default is bf16, which would
+        # round an fp32 run's merged weights).
         model._register_state_dict_hook(
-            partial(reparametrize_as_dtype_state_dict_post_hook, offload_to_cpu=True)
+            partial(
+                reparametrize_as_dtype_state_dict_post_hook,
+                dtype=model.tok_embeddings.weight.dtype,
+                offload_to_cpu=True,
+            )
         )
     return model
 

@@ -94,7 +94,13 @@ def test_nf4_base_of_every_linear_equals_torchao(state_dict, torchao_reference, 
             sizes = SIZES[tuple(state_dict[key].shape)]
             assert (weight.block_size, weight.scaler_block_size) == sizes, (i, name)
             assert torch.equal(weight.get_original_weight(), torchao_reference(key)), (i, name)
-    del model
+    # what a checkpoint saves of the model (the merged export's base): the same values, in the
+    # model's dtype (fp32 here), not rounded to torchtune's bf16 default
+    saved = model.state_dict()
+    for key in (f"layers.{i}.{name}.weight" for i in (0, 29) for name in LINEARS):
+        assert saved[key].dtype == torch.float32 and not isinstance(saved[key], NF4Tensor)
+        assert torch.equal(saved[key], torchao_reference(key)), key
+    del model, saved
     gc.collect()
 
 
