@@ -25,14 +25,20 @@ from squash.sparsity.ffi import ffi_to_dense
 
 @dataclass(frozen=True)
 class AdapterLayout:
-    """What the exports need to know of one adapter that its tensors do not say."""
+    """What the exports need to know of one adapter that its tensors do not say.
+
+    ``alpha`` is None where only the shapes are known (a checkpointer given an adapter state
+    dict): :func:`dense_adapter` reads ``in_features`` alone; the merge needs the scaling.
+    """
 
     rank: int
-    alpha: float
+    alpha: Optional[float]
     in_features: Tuple[int, int]  # input width of lora_a, of lora_b (the rank)
 
     @property
     def scaling(self) -> float:
+        if self.alpha is None:
+            raise ValueError("The adapter's alpha is unknown: its scaling cannot be computed")
         return self.alpha / self.rank
 
 
@@ -66,7 +72,18 @@ def dense_adapter(
 ) -> Dict[str, torch.Tensor]:
     """Both factors of every adapter as dense tensors with ``LoRALinear``'s keys
     (``<module>.lora_a.weight`` ``(rank, in)``, ``<module>.lora_b.weight`` ``(out, rank)``), on the
-    CPU: what PEFT and torchtune's checkpointers take. FFI factors are scattered to dense."""
+    CPU: what PEFT and torchtune's checkpointers take. FFI factors are scattered to dense.
+
+    This is the one FFI -> dense conversion of an adapter: the recipes' exports and the OPT
+    checkpointer (:func:`squash.models.opt._convert_weights.opt_adapter_layout` gives the
+    layout of an adapter state dict it is handed) both call it.
+
+    Args:
+        full_sd (Mapping[str, torch.Tensor]): holds ``<module>.lora_a.*`` and
+            ``<module>.lora_b.*`` of every module of ``layout``, each factor dense
+            (``.weight``) or FFI (``.values`` and ``.indices``); other keys are ignored.
+        layout (Mapping[str, AdapterLayout]): the adapters; only ``in_features`` is read.
+    """
     out = {}
     for name, info in layout.items():
         for factor, width in zip(("lora_a", "lora_b"), info.in_features):

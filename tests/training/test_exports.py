@@ -22,6 +22,17 @@ def _trained(model):
     return model
 
 
+def _by_hand(factor):
+    """A factor's dense weight: FFI values put at their indices one by one."""
+    if not hasattr(factor, "indices"):
+        return factor.weight.detach()
+    w = torch.zeros(factor.out_features, factor.in_features, dtype=factor.values.dtype)
+    for o, (row_idx, row_val) in enumerate(zip(factor.indices.tolist(), factor.values.tolist())):
+        for c, v in zip(row_idx, row_val, strict=True):
+            w[o, c] = v
+    return w
+
+
 def _full(model):
     """What torchtune's gather_cpu_state_dict returns: NF4 weights dequantized."""
     out = {}
@@ -56,19 +67,15 @@ def test_exports_from_the_full_state_dict_equal_those_from_the_model(build):
     for key in merged_model:
         assert merged_full[key].dtype == merged_model[key].dtype
         torch.testing.assert_close(merged_full[key], merged_model[key], rtol=0, atol=0)
-    # against the modules: SparseLoRALinear's dense_factors()/merged_weight(), LoRALinear's
-    # weights and W + (alpha / rank) B A by hand
+    # against the modules' own tensors: each FFI factor scattered to dense by a Python loop,
+    # and W + (alpha / rank) B A by hand
     for name, module in get_adapter_modules(model).items():
-        if hasattr(module, "dense_factors"):
-            a, b = module.dense_factors()
-            want = module.merged_weight(dtype=torch.float32)
-        else:
-            a, b = module.lora_a.weight, module.lora_b.weight
-            base = module.weight
-            base = base.get_original_weight() if isinstance(base, NF4Tensor) else base
-            want = base.float() + (module.alpha / module.rank) * (b.float() @ a.float())
-        assert torch.equal(dense_full[f"{name}.lora_a.weight"], a.detach()), name
-        assert torch.equal(dense_full[f"{name}.lora_b.weight"], b.detach()), name
+        a, b = _by_hand(module.lora_a), _by_hand(module.lora_b)
+        base = module.weight
+        base = base.get_original_weight() if isinstance(base, NF4Tensor) else base
+        want = base.float() + (module.alpha / module.rank) * (b.float() @ a.float())
+        assert torch.equal(dense_full[f"{name}.lora_a.weight"], a), name
+        assert torch.equal(dense_full[f"{name}.lora_b.weight"], b), name
         torch.testing.assert_close(merged_full[f"{name}.weight"], want.to(torch.bfloat16))
     # the merge is not a no-op
     base = full["layers.0.attn.q_proj.weight"].to(torch.bfloat16)

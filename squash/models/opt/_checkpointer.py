@@ -15,13 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from squash.models.opt._convert_weights import (
     HF_PREFIX,
-    opt_dense_adapter,
+    opt_adapter_layout,
     opt_hf_shapes,
     opt_hf_to_tune,
     opt_tune_to_hf,
     opt_tune_to_peft_adapter_config,
     opt_tune_to_peft_adapter_weights,
 )
+from squash.training.exports import dense_adapter
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ class OPTCheckpointer:
                 self._write_model(opt_tune_to_hf(state_dict[MODEL_KEY]), tmp)
             if ADAPTER_KEY in state_dict:
                 adapter = state_dict[ADAPTER_KEY]
-                dense = opt_dense_adapter(adapter, self._config)
+                dense = dense_adapter(adapter, opt_adapter_layout(adapter, self._config))
                 peft = opt_tune_to_peft_adapter_weights(dense)
                 torch.save(adapter, tmp / "adapter_model.pt")
                 save_file(_contiguous(peft), tmp / "adapter_model.safetensors", {"format": "pt"})

@@ -131,7 +131,7 @@ def test_intermediate_checkpoint_resumes(hf_dir, tmp_path):
     checkpointer = OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))
     model_sd = checkpointer.load_checkpoint()["model"]
     key = "layers.0.attn.q_proj.lora_a.weight"
-    adapter = {key: torch.randn(4, 32)}
+    adapter = {key: torch.randn(4, 32), "layers.0.attn.q_proj.lora_b.weight": torch.randn(32, 4)}
     recipe_state = {
         "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}},
         "seed": 7,
