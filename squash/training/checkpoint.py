@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from squash.training import manifest
 
@@ -282,19 +281,6 @@ def load_squash_adapter(path: Path) -> Dict[str, torch.Tensor]:
         raise ValueError(f"Cannot read the squash adapter {path}: {e}") from e
 
 
-def _adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The ``lora_a`` / ``lora_b`` entries of ``model.state_dict()``, read from those submodules
-    only: the whole state dict would dequantize every NF4 base (minutes for a 30-layer model on
-    a CPU). Activation-checkpoint wrappers' prefix is dropped from the keys, as their own
-    state-dict hook drops it."""
-    out = {}
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
-            key = name.replace(_CHECKPOINT_PREFIX, "")
-            out.update(module.state_dict(prefix=key + "."))
-    return out
-
-
 def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
     """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
 
@@ -304,7 +290,9 @@ def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source
     Raises:
         ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
     """
-    own = _adapter_state(model)
+    from squash.training.exports import adapter_state
+
+    own = adapter_state(model)
     expected = set(own)
     missing, unexpected = sorted(expected - adapter.keys()), sorted(adapter.keys() - expected)
     wrong = sorted(
