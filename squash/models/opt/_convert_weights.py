@@ -274,8 +274,8 @@ def opt_adapter_layout(
 
     Raises:
         ValueError: a ``values`` without its ``indices`` (or the reverse), a factor without its
-            partner factor, a key that is not a LoRA factor of a linear OPT has, or indices that
-            break the FFI format (naming the key).
+            partner factor, a key that is not a LoRA factor of a linear OPT has, a factor of
+            the wrong shape, or indices that break the FFI format (naming the key).
     """
     shapes = opt_hf_shapes(config)
     factors: Dict[str, Dict[str, torch.Tensor]] = {}  # "layers.0.attn.q_proj.lora_a" -> parts
@@ -287,10 +287,14 @@ def opt_adapter_layout(
         else:
             unknown.append(key)
     modules = sorted({factor.rsplit(".", 1)[0] for factor in factors})
+    hf_weight = {}  # module -> the HF key of the weight it adapts
     for base in modules:
         template, layer = _template(f"{base}.weight")
-        if _TO_HF.get(template) is None:
+        hf_key = _TO_HF.get(template)
+        hf_key = hf_key.format(layer) if hf_key is not None and layer is not None else hf_key
+        if hf_key not in shapes:
             unknown += [k for k in state_dict if k.startswith(f"{base}.lora_")]
+        hf_weight[base] = hf_key
     if unknown:
         raise ValueError(f"Unexpected keys in the adapter state dict: {sorted(unknown)}")
     for factor, parts in sorted(factors.items()):
@@ -304,14 +308,19 @@ def opt_adapter_layout(
         if a is None or b is None:
             have, lacks = ("lora_a", "lora_b") if b is None else ("lora_b", "lora_a")
             raise ValueError(f"The adapter has {base}.{have} but no {base}.{lacks}")
-        template, layer = _template(f"{base}.weight")
-        hf_key = _TO_HF[template]
-        in_dim = shapes[hf_key.format(layer) if layer is not None else hf_key][1]
-        rank = (a.get("weight") if "weight" in a else a["values"]).shape[0]
-        for name, width, parts in (("lora_a", in_dim, a), ("lora_b", rank, b)):
-            if "indices" in parts:
+        out_dim, in_dim = shapes[hf_weight[base]]
+        rank = (a["weight"] if "weight" in a else a["values"]).shape[0]
+        for name, rows, width, parts in (("lora_a", rank, in_dim, a), ("lora_b", out_dim, rank, b)):
+            dense = parts.get("weight")
+            if dense is None:
                 validate_ffi(parts["values"], parts["indices"], width,
                              where=f"adapter key {base}.{name}")  # fmt: skip
+            got = tuple(dense.shape) if dense is not None else (parts["values"].shape[0], width)
+            if got != (rows, width):
+                raise ValueError(
+                    f"The adapter's {base}.{name} is {got}, the OPT of config.json takes "
+                    f"{(rows, width)} at rank {rank}"
+                )
         layout[base] = AdapterLayout(rank=rank, alpha=None, in_features=(in_dim, rank))
     return layout
 

@@ -317,6 +317,10 @@ def test_broken_squash_adapter_is_refused_naming_the_key(make_hf, tmp_path):
     half = {"layers.0.attn.q_proj.lora_b.weight": torch.ones(32, 4)}  # PEFT would load B alone
     with pytest.raises(ValueError, match=r"q_proj\.lora_b but no layers\.0\.attn\.q_proj\.lora_a"):
         checkpointer.save_checkpoint({"adapter": half}, epoch=0, adapter_only=True)
+    wrong = {"layers.0.attn.q_proj.lora_a.weight": torch.ones(4, 31),  # q_proj takes 32
+             "layers.0.attn.q_proj.lora_b.weight": torch.ones(32, 4)}  # fmt: skip
+    with pytest.raises(ValueError, match=r"q_proj\.lora_a is \(4, 31\).*\(4, 32\) at rank 4"):
+        checkpointer.save_checkpoint({"adapter": wrong}, epoch=0, adapter_only=True)
     with pytest.raises(ValueError, match=r"Unexpected keys.*layers\.0\.attn\.rotary\.lora_a"):
         checkpointer.save_checkpoint(
             {"adapter": {"layers.0.attn.rotary.lora_a.weight": torch.ones(4, 32),
