@@ -1,6 +1,6 @@
 """Helpers tests share (a plain module; conftest.py files hold fixtures only): run the real
-``tune run`` and read what the run logged, re-hash an edited checkpoint, the NF4 reference
-Llama, and the pinned losses of ``configs/opt_tiny.yaml``. Imported as ``tests.helpers``, which
+``tune run`` and read what the run logged, re-hash an edited checkpoint, a stand-in
+checkpointer, the NF4 reference Llama, and the pinned losses of ``configs/opt_tiny.yaml``. Imported as ``tests.helpers``, which
 ``python -m pytest`` from the repository root (as CI runs it) finds."""
 
 import json
@@ -25,6 +25,21 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 # depend on the initial adapter (drawn per module from (seed, name) since the distributed
 # recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
 PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
+
+
+class StubCheckpointer:
+    """A stand-in for the model's checkpointer with the interface
+    ``squash.training.checkpoint.write_checkpoint`` uses: it writes a PEFT config and a 1 KiB
+    weight file into ``<output_dir>/epoch_N``."""
+
+    def __init__(self, output_dir):
+        self._output_dir = Path(output_dir)
+
+    def save_checkpoint(self, state, epoch, intermediate_checkpoint=False, adapter_only=False):
+        out = self._output_dir / f"epoch_{epoch}"
+        out.mkdir(parents=True)
+        (out / "adapter_config.json").write_text('{"r": 1}')
+        (out / "model.safetensors").write_bytes(bytes(range(256)) * 4)
 
 
 def tune_run(output_dir: Path, *overrides: str, recipe: str = "squash_finetune",
