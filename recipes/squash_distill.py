@@ -292,7 +292,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
         name = name or f"epoch_{epoch}"
         model_exports = exports.checkpoint_exports(
-            self._model.state_dict(),
+            exports.state_to_export(self._model, adapter_only=self._adapter_only),
             exports.adapter_layout(self._model),
             self._model_cfg,
             dtype=self._dtype,

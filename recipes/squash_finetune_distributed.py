@@ -315,7 +315,12 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         ``squash_finetune`` does. Every rank must call it; returns the path on rank 0."""
         name = name or f"epoch_{epoch}"
         at_epoch_end = name.startswith("epoch_")
-        full = training.gather_cpu_state_dict(self._model, self._is_rank_zero, device=self._device)
+        state = exports.state_to_export(
+            self._model,
+            adapter_only=self._adapter_only,
+            is_rank_zero=self._is_rank_zero,
+            device=self._device,
+        )
         optimizer = training.get_full_optimizer_state_dict(
             self._model, self._optimizer, self._is_rank_zero, device=self._device
         )
@@ -326,7 +331,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         path = None
         if self._is_rank_zero:
             model_exports = exports.checkpoint_exports(
-                full,
+                state,
                 self._layout,
                 self._model_cfg,
                 dtype=self._dtype,

@@ -9,7 +9,8 @@ import math
 from numbers import Integral, Real
 from typing import Any, Iterable, Optional
 
-SPARSE_FACTORS = ("a", "b", "both")
+# The sparse_factor choices, and which of (lora_a, lora_b) is FFI for each.
+SPARSE_FACTORS = {"a": (True, False), "b": (False, True), "both": (True, True)}
 INITS = ("lora", "svd")
 
 

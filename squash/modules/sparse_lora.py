@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 
-from squash._checks import INITS, check_choice, check_int, check_real, check_sparsity
+from squash._checks import (
+    INITS,
+    SPARSE_FACTORS,
+    check_choice,
+    check_int,
+    check_real,
+    check_sparsity,
+)
 from squash.modules._nf4 import (
     NF4Tensor,
     check_nf4_shape,
@@ -25,10 +32,6 @@ from squash.modules.adapter import SparseAdapterModule
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.ops.nf4 import nf4_linear
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
-
-# Which of (lora_a, lora_b) is FFI for each sparse_factor.
-SPARSE_FACTORS = {"a": (True, False), "b": (False, True), "both": (True, True)}
-
 
 def lora_factor(
     in_features: int,

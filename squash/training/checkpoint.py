@@ -3,7 +3,8 @@
 A checkpoint directory (``output_dir/epoch_N`` at the end of epoch ``N``, ``output_dir/step_N``
 after global step ``N``) holds, all written into a hidden temporary directory inside
 ``output_dir`` that is renamed into place only when complete (a run killed at any moment leaves
-either the whole directory or none):
+either the whole directory or none; :func:`atomic_directory` is squash's one atomic writer, which
+the OPT checkpointer uses too, and :func:`clean_stale_temporaries` undoes an interrupted one):
 
 - ``squash_adapter.safetensors`` + ``squash_adapter_config.json``: the adapter as squash holds
   it (FFI ``values`` and ``indices``, dense factors as ``weight``), keyed as in
@@ -22,6 +23,7 @@ either the whole directory or none):
   it is complete, and resume and ``squash_eval`` verify the directory against it.
 """
 
+import contextlib
 import copy
 import json
 import logging
@@ -30,12 +32,11 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from squash.training import manifest
 
@@ -92,52 +93,75 @@ def write_checkpoint(
         Path: the checkpoint directory.
     """
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    final = output_dir / name
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}.", dir=output_dir))
-    try:
-        tmp.chmod(0o755)
-        inner = _save_hf_files(checkpointer, exports.checkpointer_state, tmp, adapter_only)
-        if not inner.is_dir():
-            raise RuntimeError(f"{type(checkpointer).__name__} wrote nothing into {inner}")
+    with atomic_directory(output_dir / name) as work:
+        _save_hf_files(checkpointer, exports.checkpointer_state, work, adapter_only)
         # The PEFT adapter goes one level down: transformers' from_pretrained on a directory with
         # an adapter_config.json would load the base named there and apply the adapter again on
         # top of the merged weights.
-        (inner / PEFT_SUBDIR).mkdir()
-        for f in list(inner.iterdir()):
+        (work / PEFT_SUBDIR).mkdir()
+        for f in list(work.iterdir()):
             if f.is_file() and f.name.startswith("adapter_"):
-                os.replace(f, inner / PEFT_SUBDIR / f.name)
-        _save_tensors(exports.squash_adapter, inner / SQUASH_ADAPTER_FILE)
-        (inner / SQUASH_ADAPTER_CONFIG_FILE).write_text(
+                os.replace(f, work / PEFT_SUBDIR / f.name)
+        _save_tensors(exports.squash_adapter, work / SQUASH_ADAPTER_FILE)
+        (work / SQUASH_ADAPTER_CONFIG_FILE).write_text(
             json.dumps(exports.squash_adapter_config, indent=2, sort_keys=True)
         )
-        torch.save(recipe_state, inner / RECIPE_STATE_FILE)
+        torch.save(recipe_state, work / RECIPE_STATE_FILE)
         meta = {"epoch": epoch, "global_step": global_step}
-        manifest.write_meta(inner, meta, recipe_state, output_dir)  # hashes: written last
-        _publish(inner)
-        _replace_dir(inner, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        manifest.write_meta(work, meta, recipe_state, output_dir)  # hashes: written last
+    return output_dir / name
 
 
-def _save_hf_files(checkpointer: Any, state: Dict[str, Any], directory: Path, adapter_only: bool) -> Path:
+def _save_hf_files(checkpointer: Any, state: Dict[str, Any], directory: Path, adapter_only: bool) -> None:
     """Have the model's checkpointer write its Hugging Face files (merged model, PEFT adapter,
-    config and tokenizer files) into ``directory/epoch_0``, and return that path.
+    config and tokenizer files) into ``directory``.
 
     torchtune's checkpointers take no target directory: they write ``<output_dir>/epoch_N``. A
     shallow copy of the checkpointer is pointed at ``directory``, so the recipe's checkpointer
-    is never changed, whatever happens during the write.
+    is never changed, whatever happens during the write; what it writes to
+    ``directory/epoch_0`` is moved up into ``directory``.
     """
     writer = copy.copy(checkpointer)
     writer._output_dir = Path(directory)
     writer.save_checkpoint(state, epoch=0, intermediate_checkpoint=False, adapter_only=adapter_only)
-    return Path(directory) / "epoch_0"
+    inner = Path(directory) / "epoch_0"
+    if not inner.is_dir():
+        raise RuntimeError(f"{type(checkpointer).__name__} wrote nothing into {inner}")
+    for f in list(inner.iterdir()):
+        os.replace(f, Path(directory) / f.name)
+    inner.rmdir()
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Write the directory ``final`` atomically: the one implementation squash has.
+
+    Yields an empty hidden temporary directory in ``final``'s parent (created if need be). When
+    the block ends without an error, every file in it is flushed to disk and given the
+    permissions the umask allows, and it is renamed to ``final``, replacing an existing
+    ``final`` (moved aside first, removed after). On an error it is removed and ``final`` is
+    as it was. What a process killed midway leaves, :func:`clean_stale_temporaries` undoes.
+
+    Args:
+        final (Path): the directory to write.
+
+    Yields:
+        Path: the directory to write into.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}.", dir=final.parent))
+    try:
+        yield work
+        _publish(work)
+        _replace_dir(work, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # gone already once renamed
 
 
 def _publish(path: Path) -> None:
-    """Flush every file to disk and give it the permissions the umask allows (some writers
-    create files private to the user)."""
+    """Flush every file to disk and give it (and ``path``) the permissions the umask allows
+    (mkdtemp and some writers create them private to the user)."""
     umask = os.umask(0)
     os.umask(umask)
     for f in path.rglob("*"):
@@ -147,6 +171,7 @@ def _publish(path: Path) -> None:
                 os.fsync(handle.fileno())
         elif f.is_dir():
             f.chmod(0o777 & ~umask)
+    path.chmod(0o777 & ~umask)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -163,9 +188,10 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def clean_stale_temporaries(output_dir: Path) -> List[str]:
-    """Remove what an interrupted save left in ``output_dir``: half-written temporary
-    directories, and restore a checkpoint that was moved aside when its replacement never
-    arrived. Returns what was done, one line per directory."""
+    """Undo what an :func:`atomic_directory` killed midway left in ``output_dir``: remove
+    half-written temporary directories, and restore a directory that was moved aside when its
+    replacement never arrived (only a complete directory is ever moved aside). Returns what was
+    done, one line per directory. One process writes to ``output_dir`` at a time."""
     done = []
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -173,7 +199,7 @@ def clean_stale_temporaries(output_dir: Path) -> List[str]:
     for path in sorted(output_dir.glob(f"{_TMP_PREFIX}*")):
         if path.name.endswith(".old") and path.is_dir():
             target = output_dir / path.name[len(_TMP_PREFIX) : -len(".old")]
-            if not target.exists() and (path / CHECKPOINT_META_FILE).is_file():
+            if not target.exists():
                 os.replace(path, target)
                 done.append(f"restored {target.name} from an interrupted replacement")
                 continue
@@ -255,19 +281,6 @@ def load_squash_adapter(path: Path) -> Dict[str, torch.Tensor]:
         raise ValueError(f"Cannot read the squash adapter {path}: {e}") from e
 
 
-def _adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The ``lora_a`` / ``lora_b`` entries of ``model.state_dict()``, read from those submodules
-    only: the whole state dict would dequantize every NF4 base (minutes for a 30-layer model on
-    a CPU). Activation-checkpoint wrappers' prefix is dropped from the keys, as their own
-    state-dict hook drops it."""
-    out = {}
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
-            key = name.replace(_CHECKPOINT_PREFIX, "")
-            out.update(module.state_dict(prefix=key + "."))
-    return out
-
-
 def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
     """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
 
@@ -277,7 +290,9 @@ def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source
     Raises:
         ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
     """
-    own = _adapter_state(model)
+    from squash.training.exports import adapter_state
+
+    own = adapter_state(model)
     expected = set(own)
     missing, unexpected = sorted(expected - adapter.keys()), sorted(adapter.keys() - expected)
     wrong = sorted(

@@ -2,9 +2,10 @@
 merged weights, all computed from one full state dict.
 
 The full state dict is ``model.state_dict()`` on one device, or what an FSDP2 run gathers on
-rank 0 (``training.gather_cpu_state_dict``); :func:`adapter_layout` reads what the tensors do not
-say (each adapter's scaling, rank and factor widths) from the model's structure, which may be
-sharded or on the meta device. Every recipe calls :func:`checkpoint_exports`, so the files a
+rank 0 (``training.gather_cpu_state_dict``), and only the adapter's tensors for an adapter-only
+checkpoint: every recipe takes it from :func:`state_to_export`. :func:`adapter_layout` reads
+what the tensors do not say (each adapter's scaling, rank and factor widths) from the model's
+structure, which may be sharded or on the meta device. Every recipe calls :func:`checkpoint_exports`, so the files a
 checkpoint holds cannot differ between recipes; the family's checkpointer maps the keys (OPT's,
 or torchtune's HF checkpointer for Llama and the others).
 
@@ -18,21 +19,29 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtune import training
 
+from squash.modules.surgery import state_dict_key
 from squash.sparsity.ffi import ffi_to_dense
 
 
 @dataclass(frozen=True)
 class AdapterLayout:
-    """What the exports need to know of one adapter that its tensors do not say."""
+    """What the exports need to know of one adapter that its tensors do not say.
+
+    ``alpha`` is None where only the shapes are known (a checkpointer given an adapter state
+    dict): :func:`dense_adapter` reads ``in_features`` alone; the merge needs the scaling.
+    """
 
     rank: int
-    alpha: float
+    alpha: Optional[float]
     in_features: Tuple[int, int]  # input width of lora_a, of lora_b (the rank)
 
     @property
     def scaling(self) -> float:
+        if self.alpha is None:
+            raise ValueError("The adapter's alpha is unknown: its scaling cannot be computed")
         return self.alpha / self.rank
 
 
@@ -55,6 +64,65 @@ def is_adapter_key(key: str) -> bool:
     return ".lora_a." in key or ".lora_b." in key
 
 
+def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The ``lora_a`` / ``lora_b`` entries of ``model.state_dict()`` (the keys
+    :func:`is_adapter_key` accepts), read from those submodules only: the whole state dict would
+    dequantize every NF4 base (minutes for a 30-layer model on a CPU). Activation-checkpoint
+    wrappers' prefix is dropped from the keys, as their own state-dict hook drops it. Tensors as
+    the modules hold them (DTensor shards under FSDP2)."""
+    out = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
+            out.update(module.state_dict(prefix=state_dict_key(name) + "."))
+    return out
+
+
+def state_to_export(
+    model: nn.Module,
+    *,
+    adapter_only: bool,
+    is_rank_zero: bool = True,
+    device: Optional[torch.device] = None,
+) -> Dict[str, torch.Tensor]:
+    """What :func:`checkpoint_exports` needs of ``model``, for every recipe's save.
+
+    With ``adapter_only`` that is :func:`adapter_state` (the NF4 bases are not dequantized: no
+    merged weights are written); else the full state dict. A model sharded with FSDP2 is
+    gathered to the CPU of rank 0 (every rank must call this; the others get ``{}``): the full
+    state dict by torchtune's ``gather_cpu_state_dict``, the adapter tensor by tensor.
+
+    Args:
+        model (nn.Module): the adapted model, on one device or sharded with ``fully_shard``.
+        adapter_only (bool): the checkpoint leaves out the merged weights.
+        is_rank_zero (bool): this process is rank 0 (FSDP2 only). Default True.
+        device (Optional[torch.device]): the ranks' device, where CPU-offloaded shards are
+            gathered (FSDP2 only). Default None.
+
+    Returns:
+        Dict[str, torch.Tensor]: full state dict or adapter tensors, keyed as
+        ``model.state_dict()``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = isinstance(model, FSDPModule)
+    if not adapter_only:
+        if sharded:
+            return training.gather_cpu_state_dict(model, is_rank_zero, device=device)
+        return model.state_dict()
+    state = adapter_state(model)
+    if not sharded:
+        return state
+    out = {}
+    for key, value in state.items():  # the same order on every rank: full_tensor is collective
+        if isinstance(value, DTensor):
+            if value.is_cpu and device is not None:  # offloaded shards gather on the device
+                value = value.to(device)
+            value = value.full_tensor()
+        if is_rank_zero:
+            out[key] = value.detach().cpu()
+    return out
+
+
 def squash_adapter(full_sd: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The adapter as squash holds it (FFI ``values`` and ``indices``, dense ``weight``),
     detached, contiguous, on the CPU."""
@@ -66,7 +134,18 @@ def dense_adapter(
 ) -> Dict[str, torch.Tensor]:
     """Both factors of every adapter as dense tensors with ``LoRALinear``'s keys
     (``<module>.lora_a.weight`` ``(rank, in)``, ``<module>.lora_b.weight`` ``(out, rank)``), on the
-    CPU: what PEFT and torchtune's checkpointers take. FFI factors are scattered to dense."""
+    CPU: what PEFT and torchtune's checkpointers take. FFI factors are scattered to dense.
+
+    This is the one FFI -> dense conversion of an adapter: the recipes' exports and the OPT
+    checkpointer (:func:`squash.models.opt._convert_weights.opt_adapter_layout` gives the
+    layout of an adapter state dict it is handed) both call it.
+
+    Args:
+        full_sd (Mapping[str, torch.Tensor]): holds ``<module>.lora_a.*`` and
+            ``<module>.lora_b.*`` of every module of ``layout``, each factor dense
+            (``.weight``) or FFI (``.values`` and ``.indices``); other keys are ignored.
+        layout (Mapping[str, AdapterLayout]): the adapters; only ``in_features`` is read.
+    """
     out = {}
     for name, info in layout.items():
         for factor, width in zip(("lora_a", "lora_b"), info.in_features):
@@ -174,7 +253,8 @@ def checkpoint_exports(
     """Everything a checkpoint holds of the model, from one full state dict.
 
     Args:
-        full_sd (Mapping[str, torch.Tensor]): the model's full state dict.
+        full_sd (Mapping[str, torch.Tensor]): :func:`state_to_export` of the model: its full
+            state dict, or with ``adapter_only`` its adapter tensors alone.
         layout (Mapping[str, AdapterLayout]): :func:`adapter_layout` of the model.
         model_cfg (Any): the ``model`` config block (recorded, to rebuild the model).
         dtype (torch.dtype): dtype of the merged weights.

@@ -14,7 +14,7 @@ from squash.modules import FFILinear, get_adapter_modules, svd_initialize
 from squash.training import checkpoint as ckpt
 from squash.training.adapter_init import initial_adapter_state_dict
 from squash.training.config_checks import ConfigKeyError
-from squash.training.exports import adapter_layout, dense_adapter
+from squash.training.exports import adapter_layout, adapter_state, dense_adapter
 from squash.training.mask_schedule import MaskUpdateSchedule
 
 log = utils.get_logger("INFO")
@@ -164,5 +164,5 @@ def svd_init_factors(cfg_model: DictConfig, model: nn.Module) -> Optional[Dict[s
         return None
     # copies: a dense factor's tensor would otherwise be the live parameter (on the CPU,
     # detach().cpu() keeps its storage) and train along, and the delta would lose B0 A0
-    dense = dense_adapter(model.state_dict(), adapter_layout(model))
+    dense = dense_adapter(adapter_state(model), adapter_layout(model))  # no NF4 dequantized
     return {k: v.clone() for k, v in dense.items()}

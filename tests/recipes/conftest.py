@@ -1,98 +1,10 @@
-"""Helpers for the recipe tests: run the real ``tune run`` and read what the run logged."""
-
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-from typing import Dict, List
+"""Fixtures of the recipe tests (the helpers they use are in tests/helpers.py)."""
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-TINY_CONFIG = REPO / "configs" / "opt_tiny.yaml"
-TUNE = str(Path(sys.executable).with_name("tune"))
-
-# Small, quick runs of configs/opt_tiny.yaml: 4 samples a step.
-QUICK = ["batch_size=4", "log_every_n_steps=1"]
-
-
-def tune_run(output_dir: Path, *overrides: str, recipe: str = "squash_finetune",
-             config: Path = TINY_CONFIG, cwd: Path = REPO, check: bool = True,
-             timeout: int = 600, env: Dict[str, str] = None,
-             nproc: int = 0) -> subprocess.CompletedProcess:
-    """``tune run [--standalone --nproc_per_node NPROC] RECIPE --config CONFIG output_dir=...
-    OVERRIDES`` in ``cwd`` (``--standalone``: torchrun on a free port)."""
-    cmd = [TUNE, "run", *launcher(nproc), recipe, "--config", str(config),
-           f"output_dir={output_dir}", *QUICK, *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def launcher(nproc: int) -> List[str]:
-    """``tune run`` options that start ``nproc`` processes on this machine (none for 0)."""
-    return ["--standalone", "--nproc_per_node", str(nproc)] if nproc else []
-
-
-def logged(output_dir: Path, key: str = "loss") -> Dict[int, float]:
-    """``{step: value}`` of ``key`` from the DiskLogger files of a run (later files win)."""
-    values: Dict[int, float] = {}
-    files: List[Path] = sorted((output_dir / "logs").glob("log_*.txt"), key=os.path.getmtime)
-    for path in files:
-        for line in path.read_text().splitlines():
-            m = re.match(r"Step (\d+) \| (.*)", line)
-            if not m:
-                continue
-            fields = dict(item.split(":", 1) for item in m.group(2).split())
-            if key in fields:
-                values[int(m.group(1))] = float(fields[key])
-    return values
-
-
-def rehash_checkpoint(path: Path) -> None:
-    """Rewrite ``path/checkpoint.json`` to match the files as they now are (what a writer that
-    saved them so would have recorded), keeping its counters and config: lets a test reach the
-    checks behind the integrity check."""
-    from squash.training import manifest
-
-    meta = json.loads((path / "checkpoint.json").read_text())
-    meta["files"] = manifest.file_table(path)
-    meta["sha256"] = manifest._self_hash(meta)
-    (path / "checkpoint.json").write_text(json.dumps(meta))
+from tests.helpers import tune_run
 
 
 @pytest.fixture
 def run():
     return tune_run
-
-
-def nf4_reference_llama(checkpoint_dir: Path):
-    """transformers' ``LlamaForCausalLM`` of an HF checkpoint (fp32) whose decoder linears are
-    replaced by torchao's dequantization of their NF4 quantization, with the block sizes squash
-    picks (``nf4_block_sizes``). Each weight is quantized in torchtune's layout, where squash's
-    NF4 base holds it (q and k rows permuted for torchtune's RoPE), and converted back, so this
-    is the model an NF4 base computes, built from transformers and torchao alone."""
-    import torch
-    import transformers
-    from torchao.dtypes.nf4tensor import to_nf4
-    from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
-
-    from squash.modules._nf4 import nf4_block_sizes
-
-    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
-    c = model.config
-    sizes = dict(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                 dim=c.hidden_size)  # fmt: skip
-    tune = hf_to_tune(model.state_dict(), **sizes)
-    for key, value in tune.items():
-        if key.startswith("layers.") and value.dim() == 2:  # the seven linears of each layer
-            block, scaler = nf4_block_sizes(key, tuple(value.shape))
-            tune[key] = to_nf4(value.contiguous(), block, scaler).get_original_weight()
-    missing, unexpected = model.load_state_dict(tune_to_hf(tune, **sizes), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()

@@ -3,7 +3,7 @@ losses of a short fp32 QLoRA run agree with those of the same run under SQUASH_N
 
 import pytest
 
-from tests.recipes.conftest import logged
+from tests.helpers import logged
 
 FOUR = ["epochs=1", "max_steps_per_epoch=4", "dtype=fp32"]
 

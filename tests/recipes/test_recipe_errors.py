@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.recipes.conftest import REPO, TINY_CONFIG, rehash_checkpoint
+from tests.helpers import REPO, TINY_CONFIG, rehash_checkpoint
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402

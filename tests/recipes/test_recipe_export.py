@@ -5,7 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from tests.recipes.conftest import REPO, TINY_CONFIG
+from tests.helpers import REPO, TINY_CONFIG
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402

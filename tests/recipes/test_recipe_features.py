@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.recipes.conftest import REPO, logged
-from tests.recipes.test_squash_finetune import PINNED
+from tests.helpers import PINNED, REPO, logged
 
 TINY = REPO / "assets" / "tiny_opt"
 FOUR = ["epochs=1", "max_steps_per_epoch=4"]

@@ -3,7 +3,7 @@ and none of the third-party notices squash cannot act on."""
 
 import pytest
 
-from tests.recipes.conftest import REPO
+from tests.helpers import REPO
 
 
 def _stderr_lines(proc):

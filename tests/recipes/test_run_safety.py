@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.recipes.conftest import QUICK, REPO, TINY_CONFIG, TUNE, rehash_checkpoint, tune_run
+from tests.helpers import QUICK, REPO, TINY_CONFIG, TUNE, rehash_checkpoint, tune_run
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_eval  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipes.conftest import nf4_reference_llama
+from tests.helpers import nf4_reference_llama
 
 BIN = Path(sys.executable).parent
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipes.conftest import QUICK, REPO, TUNE, logged, nf4_reference_llama, tune_run
+from tests.helpers import QUICK, REPO, TUNE, logged, nf4_reference_llama, tune_run
 
 CONFIG = REPO / "configs" / "smollm2_135m.yaml"
 TEXT = "The capital of France is Paris. Unicode names characters: LATIN SMALL LETTER N WITH TILDE."

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.recipes.conftest import REPO, TUNE, logged, tune_run
+from tests.helpers import REPO, TUNE, logged, tune_run
 
 TINY = REPO / "assets" / "tiny_opt"
 DISTILL = REPO / "configs" / "opt_tiny_distill.yaml"
@@ -103,7 +103,7 @@ def test_squarehead_distillation_recovers_more_than_plain_ce(teacher, tmp_path):
 def test_task_loss_alone_reproduces_squash_finetune(tmp_path):
     """With kd_weight = squarehead_weight = 0, squash_distill is squash_finetune: the same
     losses as squash_finetune's pinned ones on configs/opt_tiny.yaml's settings."""
-    from tests.recipes.test_squash_finetune import PINNED
+    from tests.helpers import PINNED
 
     tune_run(tmp_path, "task_weight=1", "kd_weight=0", "squarehead_weight=0",
              "dataset.split=train",

@@ -8,15 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.recipes.conftest import REPO, logged
+from tests.helpers import PINNED, REPO, logged
 
 TINY = REPO / "assets" / "tiny_opt"
-
-# Losses of the first steps of configs/opt_tiny.yaml with QUICK overrides, seed 1234, recorded
-# from this recipe; step 1 is also checked against an independent computation below. Steps 3 and
-# 4 depend on the initial adapter (drawn per module from (seed, name) since the distributed
-# recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
-PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
 
 
 def _first_batch_loss_by_hand(tmp_path) -> float:
@@ -77,7 +71,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(run, tmp_path)
     import subprocess
     import time
 
-    from tests.recipes.conftest import QUICK, TINY_CONFIG, TUNE
+    from tests.helpers import QUICK, TINY_CONFIG, TUNE
 
     keys = ["epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=3", "keep_last_n=5",
             "gradient_accumulation_steps=2", "model.lora_dropout=0.1",  # dropout: RNG restored

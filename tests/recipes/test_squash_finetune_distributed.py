@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipes.conftest import QUICK, REPO, TUNE, launcher, logged, tune_run
+from tests.helpers import QUICK, REPO, TUNE, launcher, logged, tune_run
 
 pytestmark = pytest.mark.slow  # 2 processes on the CPU; they still run in CI
 

@@ -121,7 +121,7 @@ def test_adapter_state_is_the_adapter_part_of_the_full_state_dict():
     })  # fmt: skip
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([checkpoint_wrapper(layer)])})
     full = {k: v for k, v in model.state_dict().items() if ".lora_a." in k or ".lora_b." in k}
-    own = ckpt._adapter_state(model)
+    own = exports.adapter_state(model)
     assert sorted(own) == sorted(full) and len(full) == 6  # q: values+indices x2; v: 2 weights
     assert all(torch.equal(own[k], full[k]) for k in full)
     assert not any("_checkpoint_wrapped_module" in k for k in own)

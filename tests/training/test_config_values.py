@@ -61,7 +61,7 @@ def test_a_record_with_a_null_field_is_named(tmp_path):
     from squash.models.opt import opt_tokenizer
     from torchtune.datasets import alpaca_dataset
 
-    from tests.recipes.conftest import REPO
+    from tests.helpers import REPO
 
     records = json.loads((REPO / "assets/tiny_opt/alpaca_tiny.json").read_text())[:3]
     records[2]["output"] = None

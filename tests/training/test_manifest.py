@@ -17,18 +17,9 @@ from squash.training import manifest
 from squash.training.exports import Exports
 from squash.training.run_dir import RunLock
 
+from tests.helpers import StubCheckpointer
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-class _Writer:
-    def __init__(self, output_dir):
-        self._output_dir = Path(output_dir)
-
-    def save_checkpoint(self, state, epoch, intermediate_checkpoint=False, adapter_only=False):
-        out = self._output_dir / f"epoch_{epoch}"
-        out.mkdir(parents=True)
-        (out / "adapter_config.json").write_text('{"r": 1}')
-        (out / "model.safetensors").write_bytes(bytes(range(256)) * 4)
 
 
 COUNTERS = {"epochs_run": 0, "global_step": 3, "steps_in_epoch": 3, "seed": 7, "total_epochs": 2,
@@ -37,7 +28,7 @@ COUNTERS = {"epochs_run": 0, "global_step": 3, "steps_in_epoch": 3, "seed": 7, "
 
 def _write(out, name="step_3"):
     return ckpt.write_checkpoint(
-        out, name, checkpointer=_Writer(out),
+        out, name, checkpointer=StubCheckpointer(out),
         exports=Exports({"x.lora_a.values": torch.ones(4)}, {"r": 1}, {}),
         recipe_state={**COUNTERS, "optimizer": {"state": {}}}, epoch=0, global_step=3,
         adapter_only=False,
@@ -118,13 +109,13 @@ def test_recipe_state_counters_must_agree_with_checkpoint_json(tmp_path):
 _FULL_DISK = """
 import resource, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
-from tests.training.test_manifest import _Writer
+from tests.helpers import StubCheckpointer
 from squash.training import checkpoint as ckpt
 from squash.training.exports import Exports
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 try:
-    ckpt.write_checkpoint(sys.argv[1], "step_1", checkpointer=_Writer(sys.argv[1]),
+    ckpt.write_checkpoint(sys.argv[1], "step_1", checkpointer=StubCheckpointer(sys.argv[1]),
         exports=Exports({"a.lora_a.values": torch.ones(10)}, {}, {}),
         recipe_state={"big": torch.ones(100_000)}, epoch=0, global_step=1, adapter_only=False)
 except OSError as e:

@@ -5,7 +5,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -15,13 +14,15 @@ from safetensors.torch import load_file, save_file
 
 from squash.models.opt._convert_weights import (
     HF_PREFIX,
-    opt_dense_adapter,
+    opt_adapter_layout,
     opt_hf_shapes,
     opt_hf_to_tune,
     opt_tune_to_hf,
     opt_tune_to_peft_adapter_config,
     opt_tune_to_peft_adapter_weights,
 )
+from squash.training.checkpoint import atomic_directory, clean_stale_temporaries
+from squash.training.exports import dense_adapter
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,6 @@ MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY = "model", "adapter", "adapter_config
 RECIPE_STATE_DIRNAME = "recipe_state"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _NOT_COPIED = re.compile(r".*(\.safetensors|\.bin|\.pt|\.pth|\.index\.json)$|^adapter_")
-# What an interrupted save leaves in output_dir: a temporary epoch directory
-# (``.epoch_3.k2j4h1x0``) and, between the two renames that replace an epoch, the old one moved
-# aside (``.epoch_3.old.a8d7f6g5/epoch_3``). mkdtemp's random suffixes contain no dots.
-_STALE_TMP = re.compile(r"^\.(epoch_\d+)\.(?!old\.)[^.]+$")
-_STALE_OLD = re.compile(r"^\.(epoch_\d+)\.old\.[^.]+$")
 
 
 class OPTCheckpointer:
@@ -48,12 +44,14 @@ class OPTCheckpointer:
     with ``model.safetensors.index.json``) that ``transformers`` loads, the non-weight files of the
     checkpoint dir (``config.json``, tokenizer files), and, given an adapter, ``adapter_model.pt``
     (squash keys, for resuming) plus PEFT's ``adapter_model.safetensors`` and
-    ``adapter_config.json``. Each epoch directory is written into a temporary directory inside
-    ``output_dir`` and renamed into place, so it is either complete or absent; what a save killed
-    midway leaves behind (a hidden ``.epoch_N.*`` temporary directory, or an existing epoch moved
-    aside to ``.epoch_N.old.*`` and not yet replaced) is cleaned up, or restored, when the next
-    checkpointer is created on ``output_dir`` and before each save. One process writes to an
-    ``output_dir`` at a time.
+    ``adapter_config.json``. This class only loads and saves the files: each epoch directory
+    (and ``recipe_state``) is written through squash's one atomic writer,
+    :func:`squash.training.checkpoint.atomic_directory`, so it is either complete or absent; what
+    a save killed midway leaves behind (a hidden temporary directory, or an existing epoch moved
+    aside and not yet replaced) is removed, or restored, by
+    :func:`~squash.training.checkpoint.clean_stale_temporaries` when the next checkpointer is
+    created on ``output_dir`` and before each save. One process writes to an ``output_dir`` at a
+    time.
 
     Args:
         checkpoint_dir (str): directory holding ``config.json`` and the weight files.
@@ -113,7 +111,7 @@ class OPTCheckpointer:
         if out == ckpt or ckpt in out.parents:
             raise ValueError(f"output_dir {out} must not be inside checkpoint_dir {ckpt}")
         self._output_dir.mkdir(parents=True, exist_ok=True)
-        _recover_interrupted_saves(self._output_dir)
+        clean_stale_temporaries(self._output_dir)
         self._max_shard_size = max_shard_size
         self._checkpoint_paths = self._resolve_checkpoint_files(checkpoint_files)
 
@@ -277,15 +275,13 @@ class OPTCheckpointer:
                 f"Saving epoch {epoch} would replace {target}, which holds the checkpoint being "
                 f"read ({ckpt}); give an output_dir that does not contain checkpoint_dir's epoch"
             )
-        _recover_interrupted_saves(self._output_dir)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self._output_dir))
-        try:
-            tmp.chmod(0o755)  # mkdtemp makes it private; the epoch directory should not be
+        clean_stale_temporaries(self._output_dir)
+        with atomic_directory(final) as tmp:
             if not adapter_only:
                 self._write_model(opt_tune_to_hf(state_dict[MODEL_KEY]), tmp)
             if ADAPTER_KEY in state_dict:
                 adapter = state_dict[ADAPTER_KEY]
-                dense = opt_dense_adapter(adapter, self._config)
+                dense = dense_adapter(adapter, opt_adapter_layout(adapter, self._config))
                 peft = opt_tune_to_peft_adapter_weights(dense)
                 torch.save(adapter, tmp / "adapter_model.pt")
                 save_file(_contiguous(peft), tmp / "adapter_model.safetensors", {"format": "pt"})
@@ -300,10 +296,6 @@ class OPTCheckpointer:
                     shutil.copy2(src, tmp / src.name)
             if not adapter_only:
                 _set_config_dtype(tmp / "config.json", state_dict[MODEL_KEY])
-            _replace_dir(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         log.info("Saved checkpoint to %s", final)
 
         if intermediate_checkpoint:
@@ -312,12 +304,9 @@ class OPTCheckpointer:
                 for k, v in state_dict.items()
                 if k not in (MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY)
             }
-            path = self._output_dir / RECIPE_STATE_DIRNAME / "recipe_state.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp_file = path.with_name(f".{path.name}.tmp")
-            torch.save(recipe_state, tmp_file)
-            os.replace(tmp_file, path)
-            log.info("Saved recipe state to %s", path)
+            with atomic_directory(self._output_dir / RECIPE_STATE_DIRNAME) as tmp:
+                torch.save(recipe_state, tmp / "recipe_state.pt")
+            log.info("Saved recipe state to %s", self._output_dir / RECIPE_STATE_DIRNAME)
 
     def _write_model(self, hf_state_dict: Dict[str, torch.Tensor], out_dir: Path) -> None:
         shards: List[Dict[str, torch.Tensor]] = [{}]
@@ -392,37 +381,3 @@ def _read_json(path: Path, what: str) -> Dict[str, Any]:
             f"{path} is not {what}: a JSON object expected, found {type(data).__name__}"
         )
     return data
-
-
-def _recover_interrupted_saves(output_dir: Path) -> None:
-    """Undo what a save killed midway leaves: remove temporary ``.epoch_N.*`` directories, and
-    move an ``epoch_N`` that was set aside (``.epoch_N.old.*/epoch_N``) back when no ``epoch_N``
-    replaced it (else drop it)."""
-    for path in sorted(output_dir.iterdir()):
-        if not path.is_dir():
-            continue
-        old, tmp = _STALE_OLD.match(path.name), _STALE_TMP.match(path.name)
-        if old:
-            name = old.group(1)
-            kept = path / name
-            if kept.is_dir() and not (output_dir / name).exists():
-                os.replace(kept, output_dir / name)
-                log.warning("Restored %s, left aside by an interrupted save", output_dir / name)
-            shutil.rmtree(path, ignore_errors=True)
-        elif tmp:
-            log.warning("Removing %s, left by an interrupted save", path)
-            shutil.rmtree(path, ignore_errors=True)
-    stale_state = output_dir / RECIPE_STATE_DIRNAME / ".recipe_state.pt.tmp"
-    if stale_state.is_file():
-        stale_state.unlink()
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished directory ``src`` to ``dst``, replacing an existing ``dst``."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-    os.replace(dst, old / dst.name)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from squash.sparsity import ffi_to_dense, validate_ffi
+from squash.sparsity import validate_ffi
+from squash.training.exports import AdapterLayout
 
 # HF key (without the "model." prefix) -> squash key; None = drop.
 _FROM_HF = {
@@ -252,56 +253,76 @@ def opt_tune_to_peft_adapter_weights(
     return _map_keys(state_dict, table, "adapter")
 
 
-def opt_dense_adapter(
+def opt_adapter_layout(
     state_dict: Dict[str, torch.Tensor], config: Dict[str, Any]
-) -> Dict[str, torch.Tensor]:
-    """Turn every FFI factor of a squash adapter state dict into a dense ``.weight``.
+) -> Dict[str, AdapterLayout]:
+    """Check a squash adapter state dict for the OPT of ``config`` and say how wide each factor
+    is, for :func:`squash.training.exports.dense_adapter` (the one FFI -> dense conversion).
 
-    ``X.lora_a.values`` + ``X.lora_a.indices`` become ``X.lora_a.weight`` of shape
-    ``(rank, in_dim)``, ``in_dim`` being the input width of the linear ``X`` in the OPT of
-    ``config``; ``X.lora_b.values`` + ``X.lora_b.indices`` become ``X.lora_b.weight`` of shape
-    ``(out_dim, rank)``, the rank being the rows of ``X``'s ``lora_a``. Dense entries are kept.
+    Every key is ``X.lora_a.*`` or ``X.lora_b.*`` of an OPT linear ``X``
+    (``layers.0.attn.q_proj``, ...), each factor either dense (``.weight``) or FFI (``.values``
+    and ``.indices``). ``lora_a`` is as wide as ``X``'s input (from ``config``), ``lora_b`` as the
+    rank (the rows of ``X``'s ``lora_a``).
 
     Args:
         state_dict (Dict[str, torch.Tensor]): adapter state dict with squash keys.
         config (Dict[str, Any]): the parsed HF ``config.json``.
 
     Returns:
-        Dict[str, torch.Tensor]: the adapter with dense factors only (same tensors where dense).
+        Dict[str, AdapterLayout]: module name -> rank and factor widths (``alpha`` None: the
+        tensors do not say it, and the conversion does not need it).
 
     Raises:
-        ValueError: a ``values`` without its ``indices`` (or the reverse), a factor of a linear
-            OPT does not have, or indices that break the FFI format (naming the key).
+        ValueError: a ``values`` without its ``indices`` (or the reverse), a factor without its
+            partner factor, a key that is not a LoRA factor of a linear OPT has, a factor of
+            the wrong shape, or indices that break the FFI format (naming the key).
     """
     shapes = opt_hf_shapes(config)
-    dense, ffi = {}, {}
+    factors: Dict[str, Dict[str, torch.Tensor]] = {}  # "layers.0.attn.q_proj.lora_a" -> parts
+    unknown = []
     for key, value in state_dict.items():
-        for part in ("values", "indices"):
-            if key.endswith(f".{part}"):
-                ffi.setdefault(key[: -len(part) - 1], {})[part] = value
-                break
+        factor, _, part = key.rpartition(".")
+        if part in ("weight", "values", "indices") and factor.endswith((".lora_a", ".lora_b")):
+            factors.setdefault(factor, {})[part] = value
         else:
-            dense[key] = value
-    for factor, parts in sorted(ffi.items()):
-        if set(parts) != {"values", "indices"}:
+            unknown.append(key)
+    modules = sorted({factor.rsplit(".", 1)[0] for factor in factors})
+    hf_weight = {}  # module -> the HF key of the weight it adapts
+    for base in modules:
+        template, layer = _template(f"{base}.weight")
+        hf_key = _TO_HF.get(template)
+        hf_key = hf_key.format(layer) if hf_key is not None and layer is not None else hf_key
+        if hf_key not in shapes:
+            unknown += [k for k in state_dict if k.startswith(f"{base}.lora_")]
+        hf_weight[base] = hf_key
+    if unknown:
+        raise ValueError(f"Unexpected keys in the adapter state dict: {sorted(unknown)}")
+    for factor, parts in sorted(factors.items()):
+        if "weight" not in parts and set(parts) != {"values", "indices"}:
             raise ValueError(f"The adapter has {factor}.{next(iter(parts))} without its partner")
-        base, name = factor.rsplit(".", 1)  # layers.0.attn.q_proj, lora_a
-        if name == "lora_a":
-            template, layer = _template(f"{base}.weight")
-            hf_key = _TO_HF.get(template)
-            if hf_key is None:
-                raise ValueError(f"Unexpected keys in the adapter state dict: {factor}.values")
-            width = shapes[hf_key.format(layer) if layer is not None else hf_key][1]
-        elif name == "lora_b":
-            a = state_dict.get(f"{base}.lora_a.weight", state_dict.get(f"{base}.lora_a.values"))
-            if a is None:
-                raise ValueError(f"The adapter has {factor}.values but no {base}.lora_a")
-            width = a.shape[0]  # the rank
-        else:
-            raise ValueError(f"Unexpected keys in the adapter state dict: {factor}.values")
-        validate_ffi(parts["values"], parts["indices"], width, where=f"adapter key {factor}")
-        dense[f"{factor}.weight"] = ffi_to_dense(parts["values"], parts["indices"], width)
-    return dense
+        if "weight" in parts and len(parts) > 1:
+            raise ValueError(f"The adapter has {factor} both dense and FFI: {sorted(parts)}")
+    layout = {}
+    for base in modules:
+        a, b = factors.get(f"{base}.lora_a"), factors.get(f"{base}.lora_b")
+        if a is None or b is None:
+            have, lacks = ("lora_a", "lora_b") if b is None else ("lora_b", "lora_a")
+            raise ValueError(f"The adapter has {base}.{have} but no {base}.{lacks}")
+        out_dim, in_dim = shapes[hf_weight[base]]
+        rank = (a["weight"] if "weight" in a else a["values"]).shape[0]
+        for name, rows, width, parts in (("lora_a", rank, in_dim, a), ("lora_b", out_dim, rank, b)):
+            dense = parts.get("weight")
+            if dense is None:
+                validate_ffi(parts["values"], parts["indices"], width,
+                             where=f"adapter key {base}.{name}")  # fmt: skip
+            got = tuple(dense.shape) if dense is not None else (parts["values"].shape[0], width)
+            if got != (rows, width):
+                raise ValueError(
+                    f"The adapter's {base}.{name} is {got}, the OPT of config.json takes "
+                    f"{(rows, width)} at rank {rank}"
+                )
+        layout[base] = AdapterLayout(rank=rank, alpha=None, in_features=(in_dim, rank))
+    return layout
 
 
 def opt_tune_to_peft_adapter_config(

@@ -131,7 +131,7 @@ def test_intermediate_checkpoint_resumes(hf_dir, tmp_path):
     checkpointer = OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))
     model_sd = checkpointer.load_checkpoint()["model"]
     key = "layers.0.attn.q_proj.lora_a.weight"
-    adapter = {key: torch.randn(4, 32)}
+    adapter = {key: torch.randn(4, 32), "layers.0.attn.q_proj.lora_b.weight": torch.randn(32, 4)}
     recipe_state = {
         "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}},
         "seed": 7,
@@ -225,26 +225,25 @@ def test_interrupted_saves_are_cleaned_up_and_restored(hf_dir, tmp_path):
     checkpointer.save_checkpoint(state_dict, epoch=0)
     checkpointer.save_checkpoint(state_dict, epoch=1)
     saved = sorted(p.name for p in (out / "epoch_1").iterdir())
+    # The names squash's one atomic writer (squash.training.checkpoint.atomic_directory) uses.
     # A save of epoch 2 killed mid-write: a hidden temporary directory with a partial shard.
-    (out / ".epoch_2.k2j4h1x0").mkdir()
-    (out / ".epoch_2.k2j4h1x0" / "model-00001-of-00003.safetensors").write_bytes(b"partial")
+    (out / ".squash-tmp-epoch_2.k2j4h1x0").mkdir()
+    (out / ".squash-tmp-epoch_2.k2j4h1x0" / "model-00001-of-00003.safetensors").write_bytes(b"x")
     # A save of epoch 1 killed between its two renames: epoch_1 moved aside, not replaced.
-    os.makedirs(out / ".epoch_1.old.a8d7f6g5")
-    os.replace(out / "epoch_1", out / ".epoch_1.old.a8d7f6g5" / "epoch_1")
+    os.replace(out / "epoch_1", out / ".squash-tmp-epoch_1.old")
     # One killed after both renames: the set-aside copy of epoch_0 is only garbage.
-    os.makedirs(out / ".epoch_0.old.zzzzzzzz" / "epoch_0")
-    (out / "recipe_state").mkdir()
-    (out / "recipe_state" / ".recipe_state.pt.tmp").write_bytes(b"partial")
+    os.makedirs(out / ".squash-tmp-epoch_0.old")
+    # A recipe-state save killed mid-write.
+    os.makedirs(out / ".squash-tmp-recipe_state.abcdefgh")
+    (out / ".squash-tmp-recipe_state.abcdefgh" / "recipe_state.pt").write_bytes(b"partial")
 
     OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))  # the next run starts
-    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "recipe_state"]
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1"]
     assert sorted(p.name for p in (out / "epoch_1").iterdir()) == saved
-    assert not any((out / "recipe_state").iterdir())
     # The same on a save by a checkpointer that was created before the interruption.
-    (out / ".epoch_3.abcdefgh").mkdir()
+    (out / ".squash-tmp-epoch_3.abcdefgh").mkdir()
     checkpointer.save_checkpoint(state_dict, epoch=4)
-    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_4",
-                                                      "recipe_state"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_4"]
 
 
 def test_file_names_are_judged_by_path_components(hf_dir, tmp_path):

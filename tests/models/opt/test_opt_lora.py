@@ -277,6 +277,22 @@ def test_squash_adapter_saves_for_squash_and_loads_in_peft(make_hf, tmp_path, sp
 
         peft_weights = load_file(out / "adapter_model.safetensors")
         assert not any("indices" in k or "values" in k for k in peft_weights)
+        # each factor as the model holds it, FFI values put at their indices one by one
+        by_hand = {}
+        for name, module in model.named_modules():
+            if name.endswith((".lora_a", ".lora_b")):
+                w = (torch.zeros(module.out_features, module.in_features)
+                     if hasattr(module, "indices") else module.weight.detach().clone())  # fmt: skip
+                if hasattr(module, "indices"):
+                    for o, (cols, vals) in enumerate(zip(module.indices.tolist(),
+                                                         module.values.tolist())):  # fmt: skip
+                        for c, v in zip(cols, vals, strict=True):
+                            w[o, c] = v
+                by_hand[f"{name}.weight"] = w
+        want = opt_models.opt_tune_to_peft_adapter_weights(by_hand)
+        assert sorted(peft_weights) == sorted(want)
+        for key in want:
+            assert torch.equal(peft_weights[key], want[key]), key
         peft_model = peft.PeftModel.from_pretrained(hf, str(out)).eval()
         assert (peft_model(tokens).logits - ours).abs().max() <= 1e-4
         with peft_model.disable_adapter():  # the adapters matter
@@ -298,4 +314,17 @@ def test_broken_squash_adapter_is_refused_naming_the_key(make_hf, tmp_path):
     del adapter[f"{key}.indices"]
     with pytest.raises(ValueError, match="without its partner"):
         checkpointer.save_checkpoint({"adapter": adapter}, epoch=0, adapter_only=True)
+    half = {"layers.0.attn.q_proj.lora_b.weight": torch.ones(32, 4)}  # PEFT would load B alone
+    with pytest.raises(ValueError, match=r"q_proj\.lora_b but no layers\.0\.attn\.q_proj\.lora_a"):
+        checkpointer.save_checkpoint({"adapter": half}, epoch=0, adapter_only=True)
+    wrong = {"layers.0.attn.q_proj.lora_a.weight": torch.ones(4, 31),  # q_proj takes 32
+             "layers.0.attn.q_proj.lora_b.weight": torch.ones(32, 4)}  # fmt: skip
+    with pytest.raises(ValueError, match=r"q_proj\.lora_a is \(4, 31\).*\(4, 32\) at rank 4"):
+        checkpointer.save_checkpoint({"adapter": wrong}, epoch=0, adapter_only=True)
+    with pytest.raises(ValueError, match=r"Unexpected keys.*layers\.0\.attn\.rotary\.lora_a"):
+        checkpointer.save_checkpoint(
+            {"adapter": {"layers.0.attn.rotary.lora_a.weight": torch.ones(4, 32),
+                         "layers.0.attn.rotary.lora_b.weight": torch.ones(32, 4)}},
+            epoch=0, adapter_only=True,
+        )  # fmt: skip
     assert not (tmp_path / "out" / "epoch_0").exists()
