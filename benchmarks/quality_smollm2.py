@@ -443,16 +443,19 @@ ARM_FIELDS = ("key", "name", "rank", "sparsity", "factor", "budget", "alpha", "m
 def merge(paths: list, sweeps: list = ()) -> dict:
     """One result from runs made side by side with the same settings.
 
-    ``paths``: runs at a fixed lr (disjoint seeds of an arm at one lr, any arms). ``sweeps``:
-    sweep runs (seed 0 at several lrs, validation and test scored). An arm's rows are one per lr,
+    ``paths``: runs at a fixed lr (disjoint seeds of an arm at one lr, any arms), or whole arms
+    run in one process (a sweep, then the seeds at its best lr). ``sweeps``: sweep runs (seed 0
+    at several lrs, validation and test scored). A whole arm's sweep joins the arm's sweeps and
+    its seeds its row at that lr, seed 0 there being the sweep's own run. An arm's rows are one per lr,
     its seeds joined in seed order, mean and std recomputed; a sweep's test score at an lr with a
     row is that row's seed 0 (added where the row lacks seed 0; where it has one, the two runs
     must agree, a check that the recipe is deterministic). An arm's row at its sweep's best
     validation lr is its ``best`` row; the comparisons pair best rows, and rows at equal lrs.
 
     Raises:
-        ValueError: settings that differ, a seed of an arm at one lr in two files, a sweep in a
-            fixed-lr file, a seed 0 the sweep does not reproduce, or base scores that disagree.
+        ValueError: settings that differ, a seed of an arm at one lr in two files, a sweep-only
+            file in ``paths``, a whole arm whose seed 0 is not its sweep's run at its lr, a seed
+            0 the sweep does not reproduce, or base scores that disagree.
     """
     parts = [json.loads(Path(x).read_text()) for x in paths]
     swept = [json.loads(Path(x).read_text()) for x in sweeps]
@@ -470,18 +473,19 @@ def merge(paths: list, sweeps: list = ()) -> dict:
                                      f"{first['base'][split][metric]} in {paths[0]}")  # fmt: skip
     base_scores = next((p["base"] for p in parts + swept if p["base"]), None)
     # an arm's sweeps joined (e.g. a grid extended by a later run): best validation loss, edge
+    whole = [a for part in parts for a in part["arms"] if a["swept"]]
     sweep_of = {}
-    for a in (a for part in swept for a in part["arms"]):
+    for a in [a for part in swept for a in part["arms"]] + whole:
         cells = dict(sweep_of.get(a["key"], {}).get("sweep", {}), **a["sweep"])
         lrs = sorted(cells, key=float)
         best = min(lrs, key=lambda lr: cells[lr]["val"]["loss"])
         sweep_of[a["key"]] = dict(a, sweep=cells, best_lr=float(best),
                                   best_at_edge=best in (lrs[0], lrs[-1]))  # fmt: skip
     groups = {}
-    for part in parts:
+    for path, part in zip(paths, parts):
         for a in part["arms"]:
             if a["swept"]:
-                raise ValueError(f"arm {a['key']} is swept in a --merge file; pass it in --sweeps")
+                a = _seeds_after_sweep(a, path)
             groups.setdefault((a["key"], a["best_lr"]), []).append(a)
     arms_, checks = [], []
     for (key, lr), rows in groups.items():
@@ -520,6 +524,24 @@ def merge(paths: list, sweeps: list = ()) -> dict:
     res["seeds"] = max(len(a["test_loss"]) for a in res["arms"])
     res["comparisons"] = comparisons(res["arms"])
     return res
+
+
+def _seeds_after_sweep(a: dict, path) -> dict:
+    """A whole arm's row without its seed 0, which is its sweep's run at its lr (the merge
+    takes it from the sweep, as for any sweep).
+
+    Raises:
+        ValueError: a sweep-only row (one seed), or a seed 0 that is not the sweep's run.
+    """
+    cell = a["sweep"].get(f"{a['best_lr']:.6g}")
+    if cell is None or len(a["test_seeds"]) < 2 or a["test_seeds"][0] != 0:
+        raise ValueError(f"{path}: arm {a['key']} is a sweep without seeds at its best lr; "
+                         "pass it in --sweeps")  # fmt: skip
+    if cell["test"]["loss"] != a["test_loss"][0]:
+        raise ValueError(f"{path}: arm {a['key']}'s seed 0 at lr {a['best_lr']:.0e} is not its "
+                         "sweep's run at that lr")  # fmt: skip
+    return dict(a, test_seeds=a["test_seeds"][1:], test_loss=a["test_loss"][1:],
+                test_em=a["test_em"][1:])
 
 
 def write_result(res: dict, out_md: Path) -> None:

@@ -260,3 +260,49 @@ def test_merge_takes_seed_0_and_the_best_lr_from_a_sweep(tmp_path):
         (best["name"], "qlora_r16"), (at3["name"], "qlora_r16")]
     ref = stats.ttest_ind([1.4, 1.5, 1.3], [1.45, 1.43], equal_var=False)
     assert res["comparisons"][0]["loss"]["t"] == pytest.approx(ref.statistic)
+
+
+def test_merge_takes_a_whole_arm_run_in_one_process(tmp_path):
+    """A process that swept an arm (seed 0 at 3e-3 and 1e-2) and ran seeds 1, 2 at the best lr
+    joins fixed-lr seeds of another arm; a later sweep of the same arm at 3e-2 joins its sweep.
+    The row's seed 0 is the sweep's run (not counted twice); mean, std and Welch's t against
+    the per-seed values by hand and scipy."""
+    by_key = {a["key"]: a for a in q.arms(0.9, torch.float32)}
+
+    def cell(val, test):
+        return {"val": {"loss": val, "exact_match": 0.0}, "test": {"loss": test, "exact_match": 0.0}}
+
+    sw = {3e-3: cell(1.3, 1.55), 1e-2: cell(1.2, 1.45)}
+    seeds = [sw[1e-2]["test"], {"loss": 1.40, "exact_match": 0.0}, {"loss": 1.50, "exact_match": 0.0}]
+    row = q.summarize(by_key["squash_both_eq8"], sw, 1e-2, True, seeds)
+    whole = dict(json.loads(_seed_part(tmp_path, "squash_both_eq8", 0, 1.0, 0.0).read_text()),
+                 arms=[row], grid=[3e-3, 1e-2], seeds=3, wall_s=99.0)
+    whole_path = tmp_path / "whole.json"
+    whole_path.write_text(json.dumps(whole))
+    later = dict(whole, arms=[q.summarize(by_key["squash_both_eq8"], {3e-2: cell(1.25, 1.6)}, 3e-2,
+                                          False, [{"loss": 1.6, "exact_match": 0.0}])])  # fmt: skip
+    later_path = tmp_path / "later.json"
+    later_path.write_text(json.dumps(later))
+    ql = [_seed_part(tmp_path, "qlora_r8", s, x, 0.0) for s, x in ((0, 1.52), (1, 1.56), (2, 1.54))]
+    res = q.merge(ql + [whole_path], [later_path])
+    (s8,) = [a for a in res["arms"] if a["key"] == "squash_both_eq8"]
+    assert s8["best"] and s8["best_lr"] == 1e-2 and not s8["best_at_edge"]
+    assert sorted(s8["sweep"], key=float) == ["0.003", "0.01", "0.03"]
+    assert s8["test_seeds"] == [0, 1, 2] and s8["test_loss"] == [1.45, 1.40, 1.50]
+    assert s8["test_loss_mean"] == pytest.approx(1.45) and s8["test_loss_std"] == pytest.approx(0.05)
+    assert res["wall_s"] == 99.0 and res["seed0_checks"] == []
+    (c,) = res["comparisons"]
+    assert (c["squash"], c["qlora"]) == ("squash_both_eq8", "qlora_r8")
+    ref = stats.ttest_ind([1.45, 1.40, 1.50], [1.52, 1.56, 1.54], equal_var=False)
+    assert c["loss"]["t"] == pytest.approx(ref.statistic) and c["loss"]["p"] == pytest.approx(ref.pvalue)
+    # a seed 0 that is not the sweep's run at the best lr, and a sweep-only file as a row
+    bad = dict(whole, arms=[dict(row, test_loss=[1.44, 1.40, 1.50])])
+    bad_path = tmp_path / "bad.json"
+    bad_path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="not its sweep's run"):
+        q.merge(ql + [bad_path])
+    sweep_only = dict(whole, arms=[q.summarize(by_key["squash_both_eq8"], sw, 1e-2, True, seeds[:1])])
+    sweep_only_path = tmp_path / "sweep_only.json"
+    sweep_only_path.write_text(json.dumps(sweep_only))
+    with pytest.raises(ValueError, match="pass it in --sweeps"):
+        q.merge(ql + [sweep_only_path])
