@@ -161,10 +161,10 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
         self._run_lock = run_dir.claim(cfg)  # before anything is written
+        ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        ckpt.clean_stale_temporaries(self._output_dir)
         recipe_state, resume_dir = None, None
         if self._resume:
             resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)

@@ -148,9 +148,9 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 check_component(cfg[key], key, positional=positional)
         self._run_lock = run_dir.claim(cfg, lock=self._is_rank_zero)  # before anything is written
         if self._is_rank_zero:
+            ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
-            ckpt.clean_stale_temporaries(self._output_dir)
         dist.barrier()
 
         recipe_state, resume_dir = None, None

@@ -49,8 +49,8 @@ class OPTCheckpointer:
     :func:`squash.training.checkpoint.atomic_directory`, so it is either complete or absent; what
     a save killed midway leaves behind (a hidden temporary directory, or an existing epoch moved
     aside and not yet replaced) is removed, or restored, by
-    :func:`~squash.training.checkpoint.clean_stale_temporaries` when the next checkpointer is
-    created on ``output_dir`` and before each save. One process writes to an ``output_dir`` at a
+    :func:`~squash.training.checkpoint.clean_stale_temporaries` before each save (the recipes
+    also clean up once they own ``output_dir``). One process writes to an ``output_dir`` at a
     time.
 
     Args:
@@ -111,7 +111,8 @@ class OPTCheckpointer:
         if out == ckpt or ckpt in out.parents:
             raise ValueError(f"output_dir {out} must not be inside checkpoint_dir {ckpt}")
         self._output_dir.mkdir(parents=True, exist_ok=True)
-        clean_stale_temporaries(self._output_dir)
+        # no clean-up here: a checkpointer built by another process (an eval, a second run that
+        # its lock then refuses) must not remove a live run's temporaries; saves clean up
         self._max_shard_size = max_shard_size
         self._checkpoint_paths = self._resolve_checkpoint_files(checkpoint_files)
 

@@ -237,13 +237,18 @@ def test_interrupted_saves_are_cleaned_up_and_restored(hf_dir, tmp_path):
     os.makedirs(out / ".squash-tmp-recipe_state.abcdefgh")
     (out / ".squash-tmp-recipe_state.abcdefgh" / "recipe_state.pt").write_bytes(b"partial")
 
-    OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))  # the next run starts
-    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1"]
+    left = sorted(p.name for p in out.iterdir())
+    # Creating a checkpointer removes nothing (it may be another process's, beside a live run);
+    # its first save cleans up and restores.
+    nxt = OPTCheckpointer(str(hf_dir), ["model.safetensors"], str(out))  # the next run starts
+    assert sorted(p.name for p in out.iterdir()) == left
+    nxt.save_checkpoint(state_dict, epoch=2)
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_2"]
     assert sorted(p.name for p in (out / "epoch_1").iterdir()) == saved
     # The same on a save by a checkpointer that was created before the interruption.
     (out / ".squash-tmp-epoch_3.abcdefgh").mkdir()
     checkpointer.save_checkpoint(state_dict, epoch=4)
-    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_4"]
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_2", "epoch_4"]
 
 
 def test_file_names_are_judged_by_path_components(hf_dir, tmp_path):
