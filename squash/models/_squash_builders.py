@@ -13,7 +13,9 @@ arguments, so none can be dropped).
 
 Llama 3.2 1B/3B and Qwen 2.5 0.5B/1.5B tie the output projection to the token embeddings
 (torchtune's ``TiedLinear``), so torchtune raises on ``apply_lora_to_output=True`` for them; the
-argument is passed through unchanged.
+argument is passed through unchanged. A tied output is computed as one 2-D matmul
+(:class:`~squash.modules.FlatTiedLinear`: the same values, without the per-chunk weight copies
+that torchtune's chunked output costs on the CPU in bf16).
 """
 
 from typing import Callable, List, Optional
@@ -30,7 +32,7 @@ from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
-from squash.modules import swap_lora_linear
+from squash.modules import flatten_tied_output, swap_lora_linear
 
 
 def squash_model(
@@ -63,7 +65,7 @@ def squash_model(
     check_sparsity("sparsity", sparsity)
     check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
     check_choice("init", init, INITS)
-    model = builder(**lora_kwargs)
+    model = flatten_tied_output(builder(**lora_kwargs))
     return swap_lora_linear(
         model, sparsity=sparsity, sparse_factor=sparse_factor, init=init, generator=generator
     )

@@ -1,5 +1,6 @@
 """Modules: ``FFILinear`` (a sparse ``nn.Linear``), ``SparseLoRALinear`` (an adapter module) and
-model surgery that swaps torchtune's ``LoRALinear`` for it."""
+model surgery that swaps torchtune's ``LoRALinear`` for it; ``FlatTiedLinear``, a tied output
+projection computed as one 2-D matmul."""
 
 from squash.modules.adapter import SparseAdapterModule, get_adapter_modules, is_lora_adapter
 from squash.modules.ffi_linear import FFILinear
@@ -10,12 +11,15 @@ from squash.modules.surgery import (
     svd_initialize,
     swap_lora_linear,
 )
+from squash.modules.tied import FlatTiedLinear, flatten_tied_output
 
 __all__ = [
     "FFILinear",
+    "FlatTiedLinear",
     "SparseAdapterModule",
     "SparseLoRALinear",
     "adapter_state_dict",
+    "flatten_tied_output",
     "get_adapter_buffers",
     "get_adapter_modules",
     "is_lora_adapter",

@@ -23,7 +23,7 @@ Module names, for the key table in ``_convert_weights.py`` (``N`` = layer index)
     layers.N.mlp.w1, mlp.w2   fc1 -> ReLU -> fc2, with bias
     layers.N.mlp_norm         LayerNorm of the MLP block
     norm                      final LayerNorm (pre-norm models only)
-    output                    TiedLinear(tok_embeddings)
+    output                    FlatTiedLinear(tok_embeddings) (torchtune's TiedLinear, 2-D)
 """
 
 from functools import partial
@@ -31,7 +31,7 @@ from typing import List, Optional
 
 import torch
 from torch import nn
-from torchtune.modules import FeedForward, MultiHeadAttention, TiedLinear
+from torchtune.modules import FeedForward, MultiHeadAttention
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LORA_ATTN_MODULES, LoRALinear
@@ -49,7 +49,7 @@ from squash.models.opt._decoder import (
     OPTLearnedPositionalEmbedding,
     OPTPostNormLayer,
 )
-from squash.modules import SparseLoRALinear, get_adapter_modules
+from squash.modules import FlatTiedLinear, SparseLoRALinear, get_adapter_modules
 from squash.modules._nf4 import check_nf4_shape
 
 
@@ -423,7 +423,7 @@ def _opt_decoder(
         num_heads=num_heads,
         head_dim=embed_dim // num_heads,
         norm=nn.LayerNorm(embed_dim, eps=norm_eps) if pre_norm else None,
-        output=TiedLinear(tok_embeddings),
+        output=FlatTiedLinear(tok_embeddings),
         project_in=nn.Linear(word_dim, embed_dim, bias=False) if projected else None,
         project_out=nn.Linear(embed_dim, word_dim, bias=False) if projected else None,
     )

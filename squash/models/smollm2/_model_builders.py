@@ -3,7 +3,8 @@
 SmolLM2 is a Llama: hidden 576, 30 layers, 9 query heads and 3 key/value heads of 64, SwiGLU MLP
 of 1536, vocabulary 49152, RMSNorm eps 1e-5, RoPE base 100000 without Llama 3's frequency scaling
 (``scale_factor=1`` makes torchtune's ``Llama3ScaledRoPE`` plain RoPE), and the output projection
-tied to the token embeddings (torchtune's ``TiedLinear``). torchtune's ``llama3_2`` and
+tied to the token embeddings (torchtune's ``TiedLinear``, computed as one 2-D matmul by
+:class:`~squash.modules.FlatTiedLinear`). torchtune's ``llama3_2`` and
 ``lora_llama3_2`` component builders take exactly these sizes, so the models here are those
 builders with SmolLM2's numbers, not a copy of them.
 
@@ -22,6 +23,7 @@ from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_pos
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from squash.models._squash_builders import squash_model
+from squash.modules import flatten_tied_output
 from squash.modules._nf4 import quantize_base_
 
 # SmolLM2-135M's sizes, as in its config.json (and the GGUF's metadata).
@@ -50,7 +52,7 @@ def smollm2_135m() -> TransformerDecoder:
     Returns:
         TransformerDecoder: the model, tied embeddings, ``max_seq_len`` 8192.
     """
-    return llama3_2(**SMOLLM2_135M)
+    return flatten_tied_output(llama3_2(**SMOLLM2_135M))
 
 
 def lora_smollm2_135m(
@@ -89,6 +91,7 @@ def lora_smollm2_135m(
         quantize_base=False,  # torchtune's default NF4 block sizes refuse 576x576
         **SMOLLM2_135M,
     )
+    flatten_tied_output(model)
     if quantize_base:
         quantize_base_(model)
         # As torchtune's QLoRA builders: state dicts hold the NF4 bases dequantized, offloaded
