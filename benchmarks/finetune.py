@@ -5,7 +5,8 @@ layers; random weights, or ``--checkpoint-dir`` with a real HF checkpoint; adapt
 output projections and both MLP linears) or, with ``--model smollm2``, on SmolLM2-135M (30 layers,
 hidden 576, MLP 1536, 3 KV heads, tied embeddings; adapters on all seven linears; the real
 weights from ``--checkpoint-dir``, what ``squash download smollm2-135m-instruct`` wrote, or random
-ones), one process builds every row's model and times their training steps (forward, backward,
+ones; the tied head computed as squash's builders compute it, ``FlatTiedLinear``, in every
+row), one process builds every row's model and times their training steps (forward, backward,
 AdamW step) in interleaved rounds, so load from elsewhere hits all rows alike. The rows:
 
 - ``torchtune QLoRA r``: torchtune's ``LoRALinear`` on NF4 weights (what torchtune's
@@ -51,13 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffi_kernels import machine_line  # noqa: E402
 from profile_step import dense_rate, model_flops  # noqa: E402
 
+from squash.models.smollm2._model_builders import SMOLLM2_135M  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 OPT_350M = dict(vocab_size=50_272, num_heads=16, embed_dim=1024, intermediate_dim=4096,
                 max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False)  # fmt: skip
-SMOLLM2 = dict(vocab_size=49_152, num_heads=9, num_kv_heads=3, embed_dim=576, intermediate_dim=1536,
-               max_seq_len=8192, rope_base=100_000, norm_eps=1e-5, scale_factor=1,
-               tie_word_embeddings=True)  # squash.models.smollm2's sizes, layers from --layers
+SMOLLM2 = {k: v for k, v in SMOLLM2_135M.items() if k != "num_layers"}  # layers: --layers
 FAMILIES = {"opt350m": ("OPT-350M", 24), "smollm2": ("SmolLM2-135M", 30)}  # name, layers
 MODULES = ["q_proj", "k_proj", "v_proj", "output_proj"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -153,11 +154,12 @@ def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor=None):
     (``quantize_base_``), then, for squash, FFI-sparse adapters swapped in."""
     from torchtune.models.llama3_2._component_builders import lora_llama3_2
 
-    from squash.modules import swap_lora_linear
+    from squash.modules import flatten_tied_output, swap_lora_linear
     from squash.modules._nf4 import quantize_base_
 
     model = lora_llama3_2(MODULES, True, num_layers=args.layers, lora_rank=lora_rank,
                           lora_alpha=2 * lora_rank, quantize_base=False, **args.model)  # fmt: skip
+    flatten_tied_output(model)
     if quantize_base:
         quantize_base_(model)
     if sparsity is not None:

@@ -11,7 +11,11 @@ Two models, random weights at real sizes (no download):
 
 Adapters (``--adapter``): ``squash`` (FFI, ``--sparse-factor`` at ``--sparsity``, at the largest
 rank whose adapter + gradient + AdamW bytes fit in dense LoRA's at ``--rank``), ``qlora``
-(torchtune's dense LoRA at ``--rank``) or ``lora`` (dense adapters, unquantized base).
+(torchtune's dense LoRA at ``--rank``) or ``lora`` (dense adapters, unquantized base);
+``--unquantized`` keeps squash's (or QLoRA's) base weights dense, so that a pair of runs shows
+what NF4 costs. The tied output head is computed as squash's builders compute it
+(``FlatTiedLinear``: one 2-D matmul) in every row; ``--head torchtune`` keeps torchtune's
+``TiedLinear`` (a batched matmul over each non-contiguous output chunk, slow on the CPU in bf16).
 
 Kinds: every operator's own time (self time) goes to the innermost module kind it ran in; a
 backward operator goes where the forward operator that made its autograd node ran (the
@@ -43,11 +47,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffi_kernels import machine_line  # noqa: E402
 
+from squash.models.smollm2._model_builders import SMOLLM2_135M  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPT_350M = dict(vocab_size=50_272, num_heads=16, embed_dim=1024, intermediate_dim=4096,
                 max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False)  # fmt: skip
-SMOLLM2 = dict(vocab_size=49_152, num_layers=30, num_heads=9, num_kv_heads=3, embed_dim=576,
-               intermediate_dim=1536, max_seq_len=2048, norm_eps=1e-5, rope_base=100_000)  # fmt: skip
+SMOLLM2 = dict(SMOLLM2_135M, max_seq_len=2048)  # squash.models.smollm2's sizes
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 KINDS = ["NF4 dequantize", "base matmul", "adapter ops", "attention", "norms/activations",
          "output head", "loss", "optimizer", "other"]  # fmt: skip
@@ -152,7 +157,7 @@ def build(args):
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
     from squash.models.opt import lora_opt
-    from squash.modules import swap_lora_linear
+    from squash.modules import flatten_tied_output, swap_lora_linear
 
     dtype = DTYPES[args.dtype]
     if args.model == "opt350m":
@@ -176,10 +181,12 @@ def build(args):
             model = lora_opt(ATTN, True, **cfg, **common)
         else:
             model = lora_llama3_2(ATTN, True, **cfg, **common)
+            if args.head == "flat":
+                flatten_tied_output(model)
     torch.manual_seed(0)
     if args.adapter == "squash":
         model = swap_lora_linear(model, sparsity=args.sparsity, sparse_factor=args.sparse_factor)
-    if args.adapter in ("squash", "qlora"):
+    if args.adapter in ("squash", "qlora") and not args.unquantized:
         quantize_bases(model)
     model.to(args.device)
     set_trainable_params(model, get_adapter_params(model))
@@ -370,11 +377,14 @@ def table(args, res) -> str:
 
     nf4_path = {"squash": f"{backend()} (squash.ops.nf4_linear)",
                 "qlora": "torchao (torchtune's LoRALinear: linear_nf4)", "lora": "none"}[args.adapter]
+    if args.unquantized:
+        nf4_path = "none (--unquantized: dense base weights)"
     adapter = args.adapter if args.adapter != "squash" else (
         f"squash A{'+B' if args.sparse_factor == 'both' else ''} {round(args.sparsity * 100)}%")
     lines = [
         f"# one step: {args.model}, {args.layers or SMOLLM2['num_layers']} layers, "
-        f"{adapter} r={res['rank']}, {args.batch} x {args.seq_len} tokens",
+        f"{adapter} r={res['rank']}, {args.batch} x {args.seq_len} tokens"
+        + (f", {args.head} head" if args.model == "smollm2" else ""),
         f"# {machine_line(args.device, DTYPES[args.dtype])}",
         f"# squash kernels: {st.get('backend')} {st.get('isa', st.get('arch', ''))}; NF4 path: "
         f"{nf4_path}",
@@ -410,6 +420,10 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--adapter", choices=["squash", "qlora", "lora"], default="squash")
     p.add_argument("--rank", type=int, default=16, help="dense LoRA's rank (squash: its bytes)")
+    p.add_argument("--head", choices=["flat", "torchtune"], default="flat",
+                   help="SmolLM2's tied head: squash's FlatTiedLinear or torchtune's TiedLinear")
+    p.add_argument("--unquantized", action="store_true",
+                   help="squash/qlora on dense base weights (what NF4 costs: against the NF4 row)")
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--sparse-factor", choices=["a", "b", "both"], default="both")
     p.add_argument("--steps", type=int, default=2, help="timed steps without the profiler")

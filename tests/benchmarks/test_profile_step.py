@@ -54,14 +54,18 @@ def test_squash_adapter_density_counts_in_flops():
     assert got["adapter ops"] == pytest.approx(want, rel=1e-12)
 
 
-@pytest.mark.parametrize("adapter, nf4", [("lora", False), ("squash", True), ("qlora", True)])
-def test_profiled_step_puts_nf4_time_where_it_is(adapter, nf4):
+@pytest.mark.parametrize(
+    "adapter, extra, nf4",
+    [("lora", [], False), ("squash", [], True), ("qlora", [], True),
+     ("squash", ["--unquantized", "--head", "torchtune"], False)],
+)  # fmt: skip
+def test_profiled_step_puts_nf4_time_where_it_is(adapter, extra, nf4):
     args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", "--adapter", adapter,
                                     "--batch", "1", "--seq-len", "16", "--steps", "1",
-                                    "--warmup", "0"])  # fmt: skip
+                                    "--warmup", "0", *extra])  # fmt: skip
     res = profile_step.profile(args)
     assert (res["ms"]["NF4 dequantize"] > 0) == nf4
-    if adapter == "squash":  # squash's kernel; torchtune's QLoRA: torchao's operators
+    if adapter == "squash" and nf4:  # squash's kernel; torchtune's QLoRA: torchao's operators
         assert "squash::nf4_dequantize" in res["top"]["NF4 dequantize"]
     if adapter == "qlora":
         assert "aten::index" in res["top"]["NF4 dequantize"]
@@ -71,3 +75,23 @@ def test_profiled_step_puts_nf4_time_where_it_is(adapter, nf4):
     assert "squash::ffi_linear" in res["top"]["adapter ops"] or adapter != "squash"
     # every backward FFI op is attributed to the adapters, none left unattributed
     assert not any(n.startswith("squash::") for n in res["top"].get("other", {}))
+
+
+def test_unquantized_and_head_options_build_what_they_say():
+    from torchao.dtypes.nf4tensor import NF4Tensor
+    from torchtune.modules import TiedLinear
+
+    from squash.modules import FlatTiedLinear, SparseLoRALinear
+
+    def built(*extra):
+        args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", *extra])
+        return profile_step.build(args)[0]
+
+    model = built()
+    bases = [m.weight for m in model.modules() if isinstance(m, SparseLoRALinear)]
+    assert len(bases) == 7 and all(isinstance(w, NF4Tensor) for w in bases)
+    assert type(model.output) is FlatTiedLinear
+    model = built("--unquantized", "--head", "torchtune")
+    bases = [m.weight for m in model.modules() if isinstance(m, SparseLoRALinear)]
+    assert len(bases) == 7 and not any(isinstance(w, NF4Tensor) for w in bases)
+    assert type(model.output) is TiedLinear
