@@ -328,8 +328,9 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out
-        lora_out = self.lora_b(self.lora_a(self.dropout(x)))
-        return out + self.scaling * lora_out
+        # scaling * B(A x) = B(scaling * A x): scaling the rank-wide hidden costs one pass over
+        # (..., rank) instead of one over (..., out_dim) in the forward and again in the backward.
+        return out + self.lora_b(self.lora_a(self.dropout(x)) * self.scaling)
 
     @torch.no_grad()
     def dense_factors(self) -> tuple:
