@@ -66,30 +66,37 @@ def test_nvcc_compiles_device_code_for_sm80_and_sm90(tmp_path):
     assert not _hot_kernel_spills(r.stderr), _hot_kernel_spills(r.stderr)
 
 
-@pytest.mark.slow
-def test_nvcc_compiles_torch_glue(tmp_path):
-    """kernels/ffi_cuda.cu, glue and device code, compiles to an sm_80 object against this
+def nvcc_glue_command(nvcc: str, glue: Path, arch: str) -> list:
+    """nvcc's command for ``glue`` (a torch glue ``.cu``) to an ``arch`` object against this
     torch's headers. A CPU build of torch ships c10/cuda but not the CMake-generated
     cuda_cmake_macros.h, which C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips (ROCm builds do the same);
-    nothing else is stubbed. Linking needs a CUDA build of torch and is left to the GPU tests."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
+    nothing else is stubbed. Skips the test when this torch ships no c10/cuda headers."""
+    import sysconfig
+
     from torch.utils import cpp_extension
 
     includes = cpp_extension.include_paths()
     if not any((Path(p) / "c10/cuda/CUDAStream.h").exists() for p in includes):
         pytest.skip("this torch ships no c10/cuda headers")
-    import sysconfig
-
     torch_2_10 = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 10)
     std = "-std=c++20" if torch_2_10 else "-std=c++17"  # as cpp_extension picks
-    cmd = [nvcc, std, "-O3", *cpp_extension.COMMON_NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
-           "-DTORCH_EXTENSION_NAME=squash_ffi_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
-           f"-I{KERNELS}", *[f"-I{p}" for p in includes], f"-I{sysconfig.get_paths()['include']}",
-           "--compiler-options", "-fPIC", "-gencode", "arch=compute_80,code=sm_80",
-           "-c", str(GLUE), "-o", "glue.o"]  # fmt: skip
-    r = _run(cmd, tmp_path)
+    num = arch.split("_")[1]
+    return [nvcc, std, "-O3", *cpp_extension.COMMON_NVCC_FLAGS,
+            "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_EXTENSION_NAME=squash_ffi_cuda",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{KERNELS}", *[f"-I{p}" for p in includes],
+            f"-I{sysconfig.get_paths()['include']}", "--compiler-options", "-fPIC",
+            "-gencode", f"arch=compute_{num},code={arch}", "-c", str(glue), "-o", "glue.o"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_nvcc_compiles_torch_glue(tmp_path):
+    """kernels/ffi_cuda.cu, glue and device code, compiles to an sm_80 object against this
+    torch's headers (:func:`nvcc_glue_command`). Linking needs a CUDA build of torch and is left
+    to the GPU tests."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    r = _run(nvcc_glue_command(nvcc, GLUE, "sm_80"), tmp_path)
     assert r.returncode == 0, r.stderr[-5000:]
     assert (tmp_path / "glue.o").stat().st_size > 0
 

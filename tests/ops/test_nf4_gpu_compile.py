@@ -4,14 +4,13 @@ device code for sm_80 and sm_90 and the torch glue, Debian's hipcc for the hipif
 the CPU (test_nf4_kernels.py) and, where a GPU is present, by test_nf4_gpu in this file."""
 
 import re
-import sysconfig
 import warnings
 
 import pytest
 import torch
 
 from gpu_common import HAS_GPU, KERNELS, _hipify, _run
-from test_gpu_compile import _hipcc_env, _nvcc
+from test_gpu_compile import _hipcc_env, _nvcc, nvcc_glue_command
 
 NF4_HEADER = KERNELS / "nf4_cuda_kernels.cuh"
 NF4_GLUE = KERNELS / "nf4_cuda.cu"
@@ -56,21 +55,7 @@ def test_nvcc_compiles_nf4_torch_glue(tmp_path):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
-    from pathlib import Path
-
-    from torch.utils import cpp_extension
-
-    includes = cpp_extension.include_paths()
-    if not any((Path(p) / "c10/cuda/CUDAStream.h").exists() for p in includes):
-        pytest.skip("this torch ships no c10/cuda headers")
-    torch_2_10 = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 10)
-    std = "-std=c++20" if torch_2_10 else "-std=c++17"
-    cmd = [nvcc, std, "-O3", *cpp_extension.COMMON_NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
-           "-DTORCH_EXTENSION_NAME=squash_ffi_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
-           f"-I{KERNELS}", *[f"-I{p}" for p in includes], f"-I{sysconfig.get_paths()['include']}",
-           "--compiler-options", "-fPIC", "-gencode", "arch=compute_90,code=sm_90",
-           "-c", str(NF4_GLUE), "-o", "glue.o"]  # fmt: skip
-    r = _run(cmd, tmp_path)
+    r = _run(nvcc_glue_command(nvcc, NF4_GLUE, "sm_90"), tmp_path)
     assert r.returncode == 0, r.stderr[-5000:]
     assert (tmp_path / "glue.o").stat().st_size > 0
 
