@@ -91,7 +91,7 @@ PAIRS = [("sh_kl", "kl"), ("kl", "ce"), ("sh_kl", "ce"), ("sh", "ce")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Sized for ~45 minutes on 2 CPU cores: 16 runs (4 arms x (2 sweep runs + 2 more seeds)).
-FULL = dict(steps=6, batch=4, seq_len=256, grid=[3e-3, 1e-2], max_widen=0, seeds=3, n_val=8,
+FULL = dict(steps=8, batch=4, seq_len=256, grid=[3e-3, 1e-2], max_widen=0, seeds=3, n_val=8,
             n_test=16)  # fmt: skip
 # --quick: every stage on toy sizes (2 steps, a 2-point grid, 2 seeds, 2 windows a split).
 QUICK = dict(steps=2, batch=2, seq_len=64, grid=[1e-3, 1e-2], max_widen=0, seeds=2, n_val=2,
@@ -108,19 +108,28 @@ def gap_closed(student: float, teacher: float, nf4: float) -> float:
 
 
 def summarize(arm: dict, sw: dict, best: float, at_edge: bool, test: list, seeds: list,
-              teacher: float, nf4: float) -> dict:  # fmt: skip
+              teacher: float, nf4: float, nf4_kl: float = None) -> dict:  # fmt: skip
     """An arm's row: its sweep (``{lr: {"val": ..., "test": ...}}``), the chosen lr, per-seed
-    test perplexities and losses, their mean and sample std, and the gap each closes."""
+    test perplexities and losses, their mean and sample std, and the gap each closes; with
+    ``nf4_kl`` (the NF4 model's KL to the teacher) and a ``kl`` in every test score, the KL's
+    mean and std and ``kl_closed`` = 1 - mean KL / ``nf4_kl``."""
     ppl = [t["perplexity"] for t in test]
     m, s = mean_std(ppl)
     closed = [gap_closed(p, teacher, nf4) for p in ppl]
-    return dict(
+    kl = {}
+    if nf4_kl is not None and all("kl" in t for t in test):
+        km, ks = mean_std([t["kl"] for t in test])
+        kl = dict(test_kl=[t["kl"] for t in test], kl_mean=km, kl_std=ks,
+                  kl_closed=1.0 - km / nf4_kl if nf4_kl > 0 else math.nan)  # fmt: skip
+    row = dict(
         arm, sweep={f"{lr:.6g}": {k: r[k] for k in ("val", "test") if k in r} for lr, r in sw.items()},
         best_lr=best, best_at_edge=at_edge, swept=len(sw) > 1, test_seeds=list(seeds),
         test_ppl=ppl, test_loss=[t["loss"] for t in test], ppl_mean=m, ppl_std=s,
         gap_closed=gap_closed(m, teacher, nf4), gap_closed_seeds=closed,
         gap_closed_std=mean_std(closed)[1] if not any(map(math.isnan, closed)) else math.nan,
     )  # fmt: skip
+    row.update(kl)
+    return row
 
 
 def comparisons(rows: list) -> list:
@@ -132,6 +141,9 @@ def comparisons(rows: list) -> list:
             out.append(dict(arm=a, against=b, arm_name=by[a]["name"], against_name=by[b]["name"],
                             ppl_diff=by[a]["ppl_mean"] - by[b]["ppl_mean"],
                             welch=welch(by[a]["test_ppl"], by[b]["test_ppl"])))  # fmt: skip
+            if "test_kl" in by[a] and "test_kl" in by[b]:
+                out[-1].update(kl_diff=by[a]["kl_mean"] - by[b]["kl_mean"],
+                               kl_welch=welch(by[a]["test_kl"], by[b]["test_kl"]))  # fmt: skip
     return out
 
 
@@ -211,24 +223,70 @@ def shared_teacher(teacher):
         squash_distill.setup_frozen_model = original
 
 
-def perplexity(model, samples: list, *, pad_id: int, device, batch: int = 8) -> dict:
-    """``{"loss": mean NLL per predicted token, "perplexity": exp(loss), "tokens": count}`` over
-    ``samples`` (a plain forward; hidden-state outputs switched off meanwhile)."""
-    from squash.training.heldout import heldout_loss
-
-    hidden = getattr(model, "output_hidden_states", None)
-    was = model.training
+@contextlib.contextmanager
+def _plain(model):
+    """The model in eval mode returning logits only (no hidden states), restored after."""
+    hidden, was = getattr(model, "output_hidden_states", None), model.training
     model.output_hidden_states = []
     model.eval()
     try:
-        r = heldout_loss(model, samples, pad_id=pad_id, batch_size=batch, device=device)
+        yield
     finally:
         model.output_hidden_states = hidden
         model.train(was)
-    return {"loss": r["loss"], "perplexity": math.exp(r["loss"]), "tokens": int(r["tokens"])}
 
 
-def distill(cfg, splits: dict, teacher, base: bool = False) -> dict:
+def _batches(samples: list, batch: int, device):
+    for start in range(0, len(samples), batch):
+        chunk = samples[start : start + batch]
+        if any(s["labels"] != s["tokens"] or len(s["tokens"]) != len(chunk[0]["tokens"])
+               for s in chunk):  # fmt: skip
+            raise ValueError("perplexity takes text windows of one length with labels == tokens")
+        yield start, torch.tensor([s["tokens"] for s in chunk], device=device)  # (b, s)
+
+
+def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """``(b, s - 1, vocab)`` log-probabilities of the next token at every position but the last."""
+    out = model(tokens)
+    if isinstance(out, list):  # chunked output (CEWithChunkedOutputLoss)
+        out = torch.cat(out, dim=1)
+    return torch.log_softmax(out[:, :-1].float(), dim=-1)
+
+
+@torch.no_grad()
+def reference_log_probs(model, samples: list, *, device, batch: int = 8) -> list:
+    """The teacher's next-token log-probabilities on ``samples``, one ``(s - 1, vocab)`` CPU
+    tensor a window (what :func:`perplexity` measures a student's KL against)."""
+    with _plain(model):
+        return [row for _, t in _batches(samples, batch, device)
+                for row in _log_probs(model, t).cpu()]  # fmt: skip
+
+
+@torch.no_grad()
+def perplexity(model, samples: list, *, device, batch: int = 8, reference: list = None) -> dict:
+    """Over text windows (``labels == tokens``; every token after a window's first predicted):
+    ``loss`` (mean NLL per predicted token), ``perplexity`` (exp of it), ``tokens`` (the count)
+    and, given the teacher's :func:`reference_log_probs`, ``kl``: the mean per token of
+    KL(teacher || model) over the vocabulary."""
+    nll, kl, n = 0.0, 0.0, 0
+    with _plain(model):
+        if reference is not None and len(reference) != len(samples):
+            raise ValueError(f"{len(reference)} reference windows for {len(samples)} samples")
+        for start, tokens in _batches(samples, batch, device):
+            logp = _log_probs(model, tokens)  # (b, s - 1, vocab)
+            target = tokens[:, 1:]  # (b, s - 1)
+            nll -= float(logp.gather(-1, target[..., None]).sum())
+            n += target.numel()
+            if reference is not None:
+                ref = torch.stack(reference[start : start + len(tokens)]).to(device)
+                kl += float((ref.exp() * (ref - logp)).sum())
+    out = {"loss": nll / n, "perplexity": math.exp(nll / n), "tokens": n}
+    if reference is not None:
+        out["kl"] = kl / n
+    return out
+
+
+def distill(cfg, splits: dict, teacher, base: bool = False, references: dict = None) -> dict:
     """One run of the recipe's code path with the shared teacher, then held-out perplexity on
     ``splits`` (and, with ``base``, of the student before its first step: the NF4 base)."""
     from squash_distill import SquashDistillRecipeSingleDevice
@@ -242,10 +300,11 @@ def distill(cfg, splits: dict, teacher, base: bool = False) -> dict:
         with shared_teacher(teacher):
             recipe.setup(cfg=cfg)
         setup_s = time.perf_counter() - t
-        kw = dict(pad_id=recipe._tokenizer.pad_id, device=recipe._device)
+        refs = references or {}
 
         def scores():
-            return {k: perplexity(recipe._model, v, **kw) for k, v in splits.items()}
+            return {k: perplexity(recipe._model, v, device=recipe._device, reference=refs.get(k))
+                    for k, v in splits.items()}  # fmt: skip
 
         before = scores() if base else None
         t = time.perf_counter()
@@ -293,16 +352,19 @@ def markdown(res: dict) -> str:
         f"{t['test']['tokens']} predicted tokens): teacher **{tt:.3f}**, NF4 student before "
         f"training **{_num(qt, '.3f')}** (gap {_num(None if qt is None else qt - tt, '.3f')}); "
         f"validation: teacher {t['val']['perplexity']:.3f}, NF4 "
-        f"{_num(q.get('val', {}).get('perplexity'), '.3f')}.",
+        f"{_num(q.get('val', {}).get('perplexity'), '.3f')}. KL(teacher || NF4 student) on "
+        f"test: {_num(q.get('test', {}).get('kl'), '.4f')} nats a token.",
         f"Each arm: lr from the validation perplexity of seed 0 over {res['grid']} (widened "
         f"{res['max_widen']}x past an edge), then {res['seeds']} seeds on test at that lr (mean "
         f"+/- sample std); AdamW, cosine schedule, {res['dtype']} on {res['device']}. Gap closed "
-        f"= 1 - (student - teacher) / (NF4 - teacher) of the mean (+/- the seeds' spread).",
+        f"= 1 - (student - teacher) / (NF4 - teacher) of the mean (+/- the seeds' spread); "
+        f"above 100%: below the teacher's perplexity. KL closed = 1 - KL(teacher || student) / "
+        f"KL(teacher || NF4 student), test tokens, mean over seeds.",
         f"Machine: {res['machine']}; wall time {res['wall_s']:.0f} s.",
         "",
         "| arm | CE, KL, SH | lr sweep: validation perplexity | best lr | test perplexity "
-        "| gap closed | seeds |",
-        "|---|---|---|---:|---:|---:|---|",
+        "| gap closed | seeds | test KL to teacher | KL closed |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for a in res["arms"]:
         cells = []
@@ -315,19 +377,31 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {a['name']} | {w} | {'; '.join(cells) or 'not swept'} | {a['best_lr']:.0e}{edge} "
             f"| {a['ppl_mean']:.3f} +/- {a['ppl_std']:.3f} | {_pct(a['gap_closed'])} +/- "
-            f"{_num(100 * a['gap_closed_std'], '.0f')} | {seeds} |"
+            f"{_num(100 * a['gap_closed_std'], '.0f')} | {seeds} | "
+            + (f"{a['kl_mean']:.4f} +/- {a['kl_std']:.4f} | {_pct(a['kl_closed'])} |"
+               if "kl_mean" in a else "n/a | n/a |")
         )
     if res["comparisons"]:
-        lines += ["", "| arm | against | test perplexity diff | Welch t (df, p) |",
-                  "|---|---|---:|---|"]  # fmt: skip
+        lines += ["", "| arm | against | test perplexity diff | Welch t (df, p) | test KL diff "
+                  "| Welch t (df, p) |", "|---|---|---:|---|---:|---|"]  # fmt: skip
+
+        def tdp(w):
+            return f"{_num(w['t'], '.2f')} ({_num(w['df'], '.1f')}, {_num(w['p'], '.3f')})"
+
         for cmp in res["comparisons"]:
-            w = cmp["welch"]
+            kl = (f"{cmp['kl_diff']:+.4f} | {tdp(cmp['kl_welch'])}" if "kl_diff" in cmp
+                  else "n/a | n/a")  # fmt: skip
             lines.append(f"| {cmp['arm_name']} | {cmp['against_name']} | {cmp['ppl_diff']:+.3f} | "
-                         f"{_num(w['t'], '.2f')} ({_num(w['df'], '.1f')}, {_num(w['p'], '.3f')}) |")
+                         f"{tdp(cmp['welch'])} | {kl} |")
     if res["arms"]:
         best = min(res["arms"], key=lambda a: a["ppl_mean"])
         lines += ["", f"Lowest test perplexity (the most of the NF4 gap closed): {best['name']}, "
                       f"{best['ppl_mean']:.3f} ({_pct(best['gap_closed'])})."]  # fmt: skip
+        with_kl = [a for a in res["arms"] if "kl_mean" in a]
+        if with_kl:
+            near = min(with_kl, key=lambda a: a["kl_mean"])
+            lines[-1] += (f" Closest to the teacher (lowest KL): {near['name']}, "
+                          f"{near['kl_mean']:.4f} ({_pct(near['kl_closed'])} of NF4's KL removed).")
     return "\n".join(lines) + "\n"
 
 
@@ -398,7 +472,7 @@ def main(argv=None) -> dict:
     probe = recipe_config(ARMS[0], 1e-3, 0, work / "teacher", ckpt, size, args.device, args.dtype)
     t = time.perf_counter()
     teacher = build_teacher(probe, device, DTYPES[args.dtype])
-    kw = dict(pad_id=tok.pad_id, device=device)
+    references = {"test": reference_log_probs(teacher, data["test"], device=device)}
     res = dict(
         model="smollm2", quick=args.quick, device=args.device, dtype=args.dtype,
         steps=size["steps"], batch=size["batch"], seq_len=size["seq_len"], grid=size["grid"],
@@ -408,7 +482,8 @@ def main(argv=None) -> dict:
         student=dict(lora_rank=base_cfg.model.lora_rank, lora_alpha=base_cfg.model.lora_alpha,
                      sparsity=base_cfg.model.sparsity, sparse_factor=base_cfg.model.sparse_factor,
                      mask_updates=mask_updates(probe)),
-        teacher={k: perplexity(teacher, v, **kw) for k, v in data.items()}, nf4=None, arms=[],
+        teacher={k: perplexity(teacher, v, device=device, reference=references.get(k))
+                 for k, v in data.items()}, nf4=None, arms=[],
         comparisons=[], machine=machine_line(args.device, DTYPES[args.dtype]),
         argv=list(argv if argv is not None else sys.argv[1:]), runs=[],
     )  # fmt: skip
@@ -426,7 +501,7 @@ def main(argv=None) -> dict:
         swept = len(size["grid"]) > 1
         splits = {"val": data["val"], "test": data["test"]} if seed == 0 and swept else {
             "test": data["test"]}
-        r = distill(cfg, splits, teacher, base=res["nf4"] is None)
+        r = distill(cfg, splits, teacher, base=res["nf4"] is None, references=references)
         if "base" in r:
             res["nf4"] = r.pop("base")
             print(f"NF4 student before training: {res['nf4']}", flush=True)
@@ -452,7 +527,8 @@ def main(argv=None) -> dict:
                 test = [sw[best]["test"]] + [run(arm, best, s)["test"] for s in seeds[1:]]
             res["arms"].append(summarize(arm, sw, best, at_edge, test, seeds,
                                          res["teacher"]["test"]["perplexity"],
-                                         res["nf4"]["test"]["perplexity"]))  # fmt: skip
+                                         res["nf4"]["test"]["perplexity"],
+                                         res["nf4"]["test"].get("kl")))  # fmt: skip
             write()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from scipy import stats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +47,51 @@ def test_summary_from_per_seed_values():
     assert row["test_loss"] == pytest.approx([math.log(20), math.log(21), math.log(22)])
     assert row["sweep"] == {"0.001": {"val": sw[1e-3]["val"], "test": sw[1e-3]["test"]}}
     assert not row["swept"] and row["best_at_edge"]
+
+
+def test_kl_columns_from_per_seed_values():
+    arm = dict(key="kl", name="KL alone", weights=(0, 1, 0))
+    test = [dict(t, kl=k) for t, k in zip(_test([20.0, 21.0]), (0.10, 0.14))]
+    row = d.summarize(arm, {}, 1e-3, False, test, [0, 1], 18.0, 25.0, nf4_kl=0.4)
+    assert row["kl_mean"] == pytest.approx(0.12)
+    assert row["kl_std"] == pytest.approx(math.sqrt(2 * 0.02**2))
+    assert row["kl_closed"] == pytest.approx(1 - 0.12 / 0.4)  # 70% of NF4's divergence removed
+    assert "kl_mean" not in d.summarize(arm, {}, 1e-3, False, _test([20.0]), [0], 18.0, 25.0)
+
+
+class FixedLogits(torch.nn.Module):
+    """A "model" whose logits at each position are a fixed function of the token there."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table  # (vocab, vocab)
+        self.output_hidden_states = [3]
+
+    def forward(self, tokens):
+        return [self.table[tokens][:, :2], self.table[tokens][:, 2:]]  # chunked, as the recipe's
+
+
+def test_perplexity_and_kl_by_hand():
+    torch.manual_seed(0)
+    student, teacher = FixedLogits(torch.randn(5, 5)), FixedLogits(torch.randn(5, 5))
+    samples = [{"tokens": t, "labels": t} for t in ([0, 3, 1, 4], [2, 2, 0, 1], [4, 1, 3, 3])]
+    ref = d.reference_log_probs(teacher, samples, device="cpu", batch=2)
+    got = d.perplexity(student, samples, device="cpu", batch=2, reference=ref)
+    nll, kl, n = 0.0, 0.0, 0
+    for s in samples:
+        for here, nxt in zip(s["tokens"], s["tokens"][1:]):  # each position predicts the next
+            ps = torch.softmax(student.table[here], -1)
+            pt = torch.softmax(teacher.table[here], -1)
+            nll -= math.log(ps[nxt])
+            kl += float((pt * (pt / ps).log()).sum())
+            n += 1
+    assert got["tokens"] == n == 9
+    assert got["loss"] == pytest.approx(nll / n) and got["perplexity"] == pytest.approx(math.exp(nll / n))
+    assert got["kl"] == pytest.approx(kl / n)
+    assert student.output_hidden_states == [3] and student.training  # restored
+    assert d.perplexity(teacher, samples, device="cpu", reference=ref)["kl"] == pytest.approx(0, abs=1e-7)
+    with pytest.raises(ValueError, match="labels == tokens"):
+        d.perplexity(student, [{"tokens": [1, 2], "labels": [-100, 2]}], device="cpu")
 
 
 def _row(key, ppls, lr=3e-3):
@@ -119,7 +165,7 @@ def test_perplexity_is_transformers_loss(smollm2_checkpoint, tmp_path):
     size = dict(d.QUICK, seq_len=64)
     cfg = d.recipe_config(d.ARMS[0], 1e-3, 0, tmp_path, smollm2_checkpoint, size, "cpu", "fp32")
     teacher = d.build_teacher(cfg, torch.device("cpu"), torch.float32)
-    got = d.perplexity(teacher, samples, pad_id=tok.pad_id, device="cpu", batch=2)
+    got = d.perplexity(teacher, samples, device="cpu", batch=2)
     assert got["tokens"] == 3 * 63
     hf = LlamaForCausalLM.from_pretrained(str(smollm2_checkpoint), dtype=torch.float32)
     ids = torch.tensor([s["tokens"] for s in samples])
@@ -158,9 +204,13 @@ def test_quick_run_on_smollm2(smollm2_checkpoint, tmp_path):
         assert a["test_ppl"][0] == sweep[a["best_lr"]]["test"]["perplexity"]
         assert f"| {a['ppl_mean']:.3f} +/- {a['ppl_std']:.3f} |" in md
         assert f"| {100 * (1 - (m - t) / (q - t)):.0f}% +/-" in md
+        k = statistics.fmean(a["test_kl"])
+        assert a["kl_closed"] == pytest.approx(1 - k / res["nf4"]["test"]["kl"])
+        assert f"| {k:.4f} +/- {statistics.stdev(a['test_kl']):.4f} |" in md
     # every run is in the log: 2 arms x (2 sweep runs + 1 more seed)
     assert len(res["runs"]) == 6
     (c,) = res["comparisons"]
     ref = stats.ttest_ind(res["arms"][1]["test_ppl"], res["arms"][0]["test_ppl"], equal_var=False)
     assert c["welch"]["t"] == pytest.approx(ref.statistic, nan_ok=True)
     assert f"teacher **{t:.3f}**, NF4 student before training **{q:.3f}**" in md
+    assert res["teacher"]["test"]["kl"] == pytest.approx(0, abs=1e-6)  # against its own cache
