@@ -2,6 +2,9 @@
 
     python benchmarks/distill.py            # the full run (README: "Distillation and evaluation")
     python benchmarks/distill.py --quick    # a smoke run of every stage (about a minute)
+    python benchmarks/distill.py --model smollm2 [--checkpoint-dir DIR] [--quick]
+                                            # SmolLM2-135M-Instruct on real text:
+                                            # benchmarks/distill_smollm2.py (its docstring)
     python benchmarks/distill.py --teacher-seed 1 --lrs 3e-3 --seeds 1 --out /tmp/d1.md
                                             # another teacher, one rate, one student seed
 
@@ -105,7 +108,23 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny")
+    known, rest = pre.parse_known_args(argv)
+    if known.model == "smollm2":  # the real model: benchmarks/distill_smollm2.py
+        import importlib.util
+
+        path = Path(__file__).resolve().parent / "distill_smollm2.py"
+        spec = importlib.util.spec_from_file_location("distill_smollm2", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.main(rest)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny",
+                        help="opt_tiny: the tiny OPT teacher of scripts/distill_teacher.py "
+                        "(default); smollm2: SmolLM2-135M-Instruct (benchmarks/distill_smollm2.py)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--teacher-seed", type=int, default=0, help="the teacher's torch seed")

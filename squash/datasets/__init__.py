@@ -1,5 +1,12 @@
 """Datasets squash builds at run time from files the standard library installs."""
 
+from squash.datasets.pydoc_text import (
+    PydocTextDataset,
+    pydoc_documents,
+    pydoc_text,
+    pydoc_text_dataset,
+    pydoc_topics,
+)
 from squash.datasets.unicode_names import (
     UnicodeNamesDataset,
     characters,
@@ -9,8 +16,13 @@ from squash.datasets.unicode_names import (
 )
 
 __all__ = [
+    "PydocTextDataset",
     "UnicodeNamesDataset",
     "characters",
+    "pydoc_documents",
+    "pydoc_text",
+    "pydoc_text_dataset",
+    "pydoc_topics",
     "unicode_name_messages",
     "unicode_name_pairs",
     "unicode_names_dataset",
