@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch.utils.data import Dataset
 
+from squash._checks import check_int
+
 SPLITS = ("train", "validation", "test")
 # Fraction of the characters in validation and in test (the rest train).
 HELDOUT_FRACTION = 0.1
@@ -145,11 +147,9 @@ class PydocTextDataset(Dataset):
         seed: int = 0,
         max_windows: Optional[int] = None,
     ) -> None:
-        for key, value, low in (("max_seq_len", max_seq_len, 2), ("max_windows", max_windows, 1)):
-            if value is None and key == "max_windows":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+        check_int("max_seq_len", max_seq_len, 2)
+        if max_windows is not None:
+            check_int("max_windows", max_windows, 1)
         ids = tokenizer.encode(pydoc_text(split, seed), add_bos=False, add_eos=False)
         n = len(ids) // max_seq_len
         if n == 0:
