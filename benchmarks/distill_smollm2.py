@@ -45,8 +45,6 @@ import argparse
 import contextlib
 import gc
 import importlib.util
-import json
-import logging
 import math
 import os
 import shutil
@@ -77,8 +75,9 @@ def _load(name: str):
     return module
 
 
-# quality_smollm2.py: the checkpoint download, Welch's t; through it quality.py's sweep, lr
-# rounding and mean / sample std.
+# quality_smollm2.py: the checkpoint download, Welch's t, the command line's sizes
+# (sized_run), quiet recipe logs, a timed recipe run (set_up_train_score), the atomic table and
+# json writer; through it quality.py's sweep, lr rounding and mean / sample std.
 _q = _load("quality_smollm2")
 ensure_checkpoint, welch, sweep, _lr, mean_std = (
     _q.ensure_checkpoint, _q.welch, _q.sweep, _q._lr, _q.mean_std)  # fmt: skip
@@ -300,27 +299,18 @@ def distill(cfg, splits: dict, teacher, base: bool = False, references: dict = N
     # The epoch-end adapter checkpoint is not needed (the model is scored in memory); training
     # is untouched.
     recipe.save_checkpoint = lambda *args, **kwargs: None
-    try:
-        t = time.perf_counter()
+    refs = references or {}
+
+    def setup():
         with shared_teacher(teacher):
             recipe.setup(cfg=cfg)
-        setup_s = time.perf_counter() - t
-        refs = references or {}
 
-        def scores():
-            return {k: perplexity(recipe._model, v, device=recipe._device, reference=refs.get(k))
-                    for k, v in splits.items()}  # fmt: skip
+    def scores():
+        return {k: perplexity(recipe._model, v, device=recipe._device, reference=refs.get(k))
+                for k, v in splits.items()}  # fmt: skip
 
-        before = scores() if base else None
-        t = time.perf_counter()
-        recipe.train()
-        train_s = time.perf_counter() - t
-        t = time.perf_counter()
-        out = scores()
-        out.update(setup_s=setup_s, train_s=train_s, eval_s=time.perf_counter() - t)
-        if before is not None:
-            out["base"] = before
-        return out
+    try:
+        return _q.set_up_train_score(recipe, setup, scores, base)
     finally:
         recipe.cleanup()
         del recipe
@@ -411,13 +401,8 @@ def markdown(res: dict) -> str:
 
 
 def write_result(res: dict, out_md: Path) -> None:
-    """The table and the json beside it, each written to a temporary file and renamed."""
-    out_md.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out_md, markdown(res)),
-                       (out_md.with_suffix(".json"), json.dumps(res, indent=1))):  # fmt: skip
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    """The table and the json beside it (quality_smollm2's ``write_table_and_json``)."""
+    _q.write_table_and_json(out_md, markdown(res), res)
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -435,25 +420,15 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="markdown path (json beside it)")
     args = p.parse_args(argv)
-    size = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "batch", "seq_len", "seeds", "n_val", "n_test", "max_widen"):
-        if getattr(args, key) is not None:
-            size[key] = getattr(args, key)
-    if args.lrs:
-        size["grid"] = [float(x) for x in args.lrs.split(",")]
+    size = _q.sized_run(p, args, dict(QUICK if args.quick else FULL),
+                        ("steps", "batch", "seq_len", "seeds", "n_val", "n_test", "max_widen"),
+                        ARM_KEYS)  # fmt: skip
     chosen = args.arms.split(",")
-    unknown = [k for k in chosen if k not in ARM_KEYS]
-    if unknown:
-        p.error(f"--arms must name only {ARM_KEYS}, got {unknown}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out_md = args.out or RESULTS / ("distill_smollm2_quick.md" if args.quick else "distill_smollm2.md")
     ckpt = ensure_checkpoint(args.checkpoint_dir)
     import squash_distill  # noqa: F401  (its logger is set to INFO on import)
 
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torchtune") or name.startswith("squash"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    _q.quiet_recipe_logs()
     t0 = time.perf_counter()
 
     from squash.datasets import pydoc_text_dataset

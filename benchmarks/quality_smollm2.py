@@ -262,6 +262,24 @@ def recipe_config(arm: dict, lr: float, seed: int, run_dir: Path, ckpt: Path, si
     return cfg
 
 
+def set_up_train_score(recipe, setup, scores, base: bool) -> dict:
+    """``setup()``, then ``scores()`` after ``recipe.train()`` (and before it, with ``base``, as
+    ``"base"``), with the seconds of each stage (``setup_s``, ``train_s``, ``eval_s``)."""
+    t = time.perf_counter()
+    setup()
+    setup_s = time.perf_counter() - t
+    before = scores() if base else None
+    t = time.perf_counter()
+    recipe.train()
+    train_s = time.perf_counter() - t
+    t = time.perf_counter()
+    out = scores()
+    out.update(setup_s=setup_s, train_s=train_s, eval_s=time.perf_counter() - t)
+    if before is not None:
+        out["base"] = before
+    return out
+
+
 def finetune(cfg: dict, splits: dict, base: bool = False) -> dict:
     """One run of the recipe's code path, then held-out metrics on ``splits`` (and, with
     ``base``, on the model before its first step: the NF4 base, adapters' B at zero)."""
@@ -272,26 +290,14 @@ def finetune(cfg: dict, splits: dict, base: bool = False) -> dict:
     # The epoch-end adapter checkpoint is not needed here (the model is scored in memory) and
     # costs a write of every adapter; training is untouched.
     recipe.save_checkpoint = lambda *args, **kwargs: None
-    try:
-        t = time.perf_counter()
-        recipe.setup(cfg=conf)
-        setup_s = time.perf_counter() - t
+
+    def scores():
         tok = recipe._tokenizer
         kw = dict(pad_id=tok.pad_id, stop_tokens=list(tok.stop_tokens), device=recipe._device)
+        return {k: evaluate(recipe._model, v, **kw) for k, v in splits.items()}
 
-        def scores():
-            return {k: evaluate(recipe._model, v, **kw) for k, v in splits.items()}
-
-        before = scores() if base else None
-        t = time.perf_counter()
-        recipe.train()
-        train_s = time.perf_counter() - t
-        t = time.perf_counter()
-        out = scores()
-        out.update(setup_s=setup_s, train_s=train_s, eval_s=time.perf_counter() - t)
-        if before is not None:
-            out["base"] = before
-        return out
+    try:
+        return set_up_train_score(recipe, lambda: recipe.setup(cfg=conf), scores, base)
     finally:
         recipe.cleanup()
         shutil.rmtree(cfg["output_dir"], ignore_errors=True)
@@ -544,14 +550,44 @@ def _seeds_after_sweep(a: dict, path) -> dict:
                 test_em=a["test_em"][1:])
 
 
-def write_result(res: dict, out_md: Path) -> None:
-    """The table and the json beside it, each written to a temporary file and renamed."""
+def write_table_and_json(out_md: Path, table: str, res: dict) -> None:
+    """``table`` at ``out_md`` and ``res`` as json beside it, each written to a temporary file
+    and renamed."""
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out_md, markdown(res)),
+    for path, text in ((out_md, table),
                        (out_md.with_suffix(".json"), json.dumps(res, indent=1))):  # fmt: skip
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)
+
+
+def write_result(res: dict, out_md: Path) -> None:
+    """The table and the json beside it (:func:`write_table_and_json`)."""
+    write_table_and_json(out_md, markdown(res), res)
+
+
+def sized_run(p, args, size: dict, keys, arm_keys) -> dict:
+    """``size`` (a copy of the script's FULL or QUICK) with the command line's overrides of
+    ``keys`` and ``--lrs``; refuses an ``--arms`` key outside ``arm_keys`` and applies
+    ``--threads``."""
+    for key in keys:
+        if getattr(args, key) is not None:
+            size[key] = getattr(args, key)
+    if args.lrs:
+        size["grid"] = [float(x) for x in args.lrs.split(",")]
+    unknown = [k for k in args.arms.split(",") if k not in arm_keys]
+    if unknown:
+        p.error(f"--arms must name only {arm_keys}, got {unknown}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return size
+
+
+def quiet_recipe_logs() -> None:
+    """torchtune's and squash's loggers to WARNING (a recipe module sets INFO on import)."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torchtune") or name.startswith("squash"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv=None) -> dict:
@@ -585,30 +621,19 @@ def main(argv=None) -> dict:
         write_result(res, out_md)
         print(markdown(res))
         return res
-    size = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "batch", "seeds", "n_val", "n_test", "max_widen"):
-        if getattr(args, key) is not None:
-            size[key] = getattr(args, key)
-    if args.lrs:
-        size["grid"] = [float(x) for x in args.lrs.split(",")]
+    size = sized_run(p, args, dict(QUICK if args.quick else FULL),
+                     ("steps", "batch", "seeds", "n_val", "n_test", "max_widen"), ARM_KEYS)
     seed_list = list(range(size["seeds"]))
     if args.seed_list:
         if len(size["grid"]) > 1:
             p.error("--seed-list needs a single --lrs value (a fixed lr, no sweep)")
         seed_list = [int(x) for x in args.seed_list.split(",")]
     chosen = args.arms.split(",")
-    unknown = [k for k in chosen if k not in ARM_KEYS]
-    if unknown:
-        p.error(f"--arms must name only {ARM_KEYS}, got {unknown}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out_md = args.out or RESULTS / ("quality_smollm2_quick.md" if args.quick else "quality_smollm2.md")
     ckpt = ensure_checkpoint(args.checkpoint_dir)
     import squash_finetune  # noqa: F401  (its logger is set to INFO on import)
 
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torchtune") or name.startswith("squash"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_recipe_logs()
     t0 = time.perf_counter()
 
     from squash.datasets import unicode_names_dataset
