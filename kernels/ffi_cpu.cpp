@@ -103,6 +103,8 @@ constexpr int64_t kRowBlock = 64;
 constexpr int64_t kBlockBytes = 32 * 1024;
 constexpr int64_t kMinSegment = 24;
 constexpr int64_t kMinBlockedTokens = 128;
+// Features per pass of a 16x16 tile copy (AVX-512): 128 features of a 32-token tile are 16 KiB.
+constexpr int64_t kCopyFeatures = 128;
 
 int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -226,8 +228,25 @@ template <typename scalar_t, typename acc_t>
 void to_feature_major(const scalar_t* src, int64_t rs, int64_t tv, int64_t F, int64_t W,
                       acc_t* __restrict dst) {
   const PhaseTimer timer(0);
+  int64_t l16 = 0;  // tokens below l16 are done
+#ifdef SQUASH_FFI_AVX512
+  if constexpr (std::is_same<acc_t, float>::value) {
+    // 16x16 blocks, kCopyFeatures features at a time so that their rows of the tile stay in L1
+    // while all the tile's tokens are written.
+    const int64_t f16 = F / 16 * 16;
+    l16 = tv / 16 * 16;
+    for (int64_t fb = 0; fb < f16; fb += kCopyFeatures) {
+      const int64_t fe = std::min(f16, fb + kCopyFeatures);
+      for (int64_t l0 = 0; l0 < l16; l0 += 16)
+        for (int64_t f0 = fb; f0 < fe; f0 += 16)
+          squash_ffi_cpu::transpose16(src + l0 * rs + f0, rs, dst + f0 * W + l0, W);
+    }
+    for (int64_t l = 0; l < l16; ++l)
+      for (int64_t f = f16; f < F; ++f) dst[f * W + l] = static_cast<acc_t>(src[l * rs + f]);
+  }
+#endif
   const int64_t t8 = tv / 8 * 8, f8 = F / 8 * 8;
-  for (int64_t l0 = 0; l0 < t8; l0 += 8) {
+  for (int64_t l0 = l16; l0 < t8; l0 += 8) {
     for (int64_t f0 = 0; f0 < f8; f0 += 8)
       squash_ffi_cpu::transpose8(src + l0 * rs + f0, rs, dst + f0 * W + l0, W);
     for (int64_t f = f8; f < F; ++f)
@@ -245,8 +264,21 @@ template <typename scalar_t, typename acc_t>
 void to_token_major(const acc_t* blk, int64_t nr, int64_t W, int64_t tv, scalar_t* dst,
                     int64_t ds) {
   const PhaseTimer timer(1);
+  int64_t l16 = 0;  // tokens below l16 are done
+#ifdef SQUASH_FFI_AVX512
+  if constexpr (std::is_same<acc_t, float>::value) {
+    const int64_t r16 = nr / 16 * 16;
+    l16 = tv / 16 * 16;
+    for (int64_t l0 = 0; l0 < l16; l0 += 16) {
+      for (int64_t b0 = 0; b0 < r16; b0 += 16)
+        squash_ffi_cpu::transpose16(blk + b0 * W + l0, W, dst + l0 * ds + b0, ds);
+      for (int64_t l = l0; l < l0 + 16; ++l)
+        for (int64_t b = r16; b < nr; ++b) dst[l * ds + b] = static_cast<scalar_t>(blk[b * W + l]);
+    }
+  }
+#endif
   const int64_t t8 = tv / 8 * 8, r8 = nr / 8 * 8;
-  for (int64_t l0 = 0; l0 < t8; l0 += 8) {
+  for (int64_t l0 = l16; l0 < t8; l0 += 8) {
     for (int64_t b0 = 0; b0 < r8; b0 += 8)
       squash_ffi_cpu::transpose8(blk + b0 * W + l0, W, dst + l0 * ds + b0, ds);
     for (int64_t l = l0; l < l0 + 8; ++l)

@@ -1,13 +1,15 @@
 // SIMD helpers for the FFI CPU kernels (ffi_cpu.cpp): the vector type the target's widest unit
-// holds, 8x8 block transposes with dtype conversion, and an 8-way horizontal sum.
+// holds, 8x8 (and on AVX-512 16x16) block transposes with dtype conversion, and an 8-way
+// horizontal sum.
 //
 // The vector width is chosen at compile time from the target (-march=native, or the narrower
 // variant SQUASH_CPU_ISA asks for): 64 bytes (16 fp32 lanes) with AVX-512F, 32 bytes (8 lanes)
 // with AVX2 + FMA, 16 bytes (4 lanes) with NEON on aarch64 and on any other CPU. The vector types
 // are GCC/Clang vector extensions, so the micro-kernels in ffi_cpu.cpp are written once over the
 // width and compile to zmm, ymm or NEON q-register FMAs. The tile copies transpose 8x8 blocks
-// (AVX2/F16C where present, which every AVX-512 CPU has; portable loops elsewhere): they depend
-// on the tile layout, not on the vector width. The 8-way sum folds a wide vector to 8 lanes first.
+// (AVX2/F16C where present, which every AVX-512 CPU has; portable loops elsewhere), and on
+// AVX-512 fp32 tiles 16x16 blocks, whose rows are whole cache lines. The 8-way sum folds a wide
+// vector to 8 lanes first.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -167,6 +169,69 @@ inline void transpose8<float, c10::Half>(const float* s, int64_t ss, c10::Half* 
 }
 
 #endif  // SQUASH_FFI_AVX2
+
+#if defined(SQUASH_FFI_AVX2) && defined(__AVX512F__)
+// 16x16 block transposes on AVX-512: each row read or written is a whole 64-byte line of fp32
+// (half as many partial-line accesses as the 8x8 blocks), in 16 loads, 64 shuffles, 16 stores.
+#define SQUASH_FFI_AVX512 1
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// bf16/fp16: two 8-lane stores, rounded as store8 rounds.
+template <typename dst_t>
+inline void store16(dst_t* p, __m512 v) {
+  store8(p, _mm512_castps512_ps256(v));
+  store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+inline void transpose16_regs(__m512 (&r)[16]) {
+  __m512 t[16];
+  // Within each 128-bit lane: 4x4 transposes of rows 4g..4g+3.
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  // r[4g + c], lane L: rows 4g..4g+3 of column 4L + c. Then a 4x4 transpose of the lanes of
+  // r[c], r[4 + c], r[8 + c], r[12 + c] puts column 4L + c in r[4L + c].
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[c + 4], _MM_SHUFFLE(2, 0, 2, 0));
+    t[c + 4] = _mm512_shuffle_f32x4(r[c], r[c + 4], _MM_SHUFFLE(3, 1, 3, 1));
+    t[c + 8] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], _MM_SHUFFLE(2, 0, 2, 0));
+    t[c + 12] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[c + 8], _MM_SHUFFLE(2, 0, 2, 0));
+    r[c + 8] = _mm512_shuffle_f32x4(t[c], t[c + 8], _MM_SHUFFLE(3, 1, 3, 1));
+    r[c + 4] = _mm512_shuffle_f32x4(t[c + 4], t[c + 12], _MM_SHUFFLE(2, 0, 2, 0));
+    r[c + 12] = _mm512_shuffle_f32x4(t[c + 4], t[c + 12], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// d[c * ds + r] = s[r * ss + c] for r, c < 16: fp32/bf16/fp16 rows into fp32 tiles, or fp32
+// blocks out into fp32/bf16/fp16 rows.
+template <typename src_t, typename dst_t>
+inline void transpose16(const src_t* s, int64_t ss, dst_t* d, int64_t ds) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = load16(s + i * ss);
+  transpose16_regs(r);
+  for (int i = 0; i < 16; ++i) store16(d + i * ds, r[i]);
+}
+
+#endif  // AVX-512
 
 // out[q] += sum of the lanes of p[q], q < 8 (p: 8 vectors of acc_t; portable version).
 template <typename V, typename acc_t>
