@@ -25,8 +25,9 @@ the CPU the process's peak resident memory, VmHWM, reset through ``/proc/self/cl
 GPU ``torch.cuda.max_memory_allocated``), and, for the mask row, during the step that records
 growth candidates and updates the masks. Then the real recipes run on
 the same model for a few steps (``tune run lora_finetune_single_device`` and ``tune run
-squash_finetune``) and their logged tokens/s and peak memory are added, so the script's numbers
-can be tied to what the recipes do. The table is printed and written to ``benchmarks/results/``.
+squash_finetune``, one after the other in each of ``--recipe-rounds`` rounds) and their logged
+tokens/s (median and range over the rounds, and squash's over torchtune's in each round) and
+peak memory are added, so the script's numbers can be tied to what the recipes do. The table is printed and written to ``benchmarks/results/``.
 
     python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
     python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
@@ -82,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=None,
                    help="of the random model (smaller: a quick check of the script)")
     p.add_argument("--no-recipes", action="store_true", help="skip the tune run rows")
+    p.add_argument("--recipe-rounds", type=int, default=3,
+                   help="rounds of the two tune run recipes, one after the other in each round")
     p.add_argument("--out", default=str(RESULTS), help="directory for the table")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: one row's peak memory
     args = p.parse_args(argv)
@@ -92,6 +95,8 @@ def parse_args(argv=None):
     if args.family == "smollm2" and not args.no_recipes and not args.checkpoint_dir:
         p.error("--model smollm2 runs the recipes on the real model: give --checkpoint-dir "
                 "(squash download smollm2-135m-instruct --output-dir DIR) or --no-recipes")
+    if args.recipe_rounds < 1:
+        p.error(f"--recipe-rounds must be at least 1, got {args.recipe_rounds}")
     if args.steps <= args.mask_every:
         p.error(f"--steps ({args.steps}) must exceed --mask-every ({args.mask_every})")
     return args
@@ -401,19 +406,63 @@ def run_recipe(args, ckpt_dir: Path, work: Path, recipe: str) -> dict:
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         raise RuntimeError(f"tune run {recipe} failed:\n{output[-3000:]}")
-    logged = {}
-    for log in (out / "logs").glob("log_*.txt"):
-        for line in log.read_text().splitlines():
-            m = re.match(r"Step (\d+) \| (.*)", line)
-            if m:
-                logged[int(m.group(1))] = dict(kv.split(":", 1) for kv in m.group(2).split())
-    later = [v for step, v in sorted(logged.items()) if step > 1]  # step 1 warms up
+    later = logged_steps(out / "logs")
     tps = statistics.median(float(v["tokens_per_second_per_gpu"]) for v in later)
     if args.device == "cpu":
         peak = usage.ru_maxrss * 1024  # the whole process, model loading included
     else:
         peak = max(float(v.get("peak_memory_alloc", 0)) for v in later) * 1024**3
+    shutil.rmtree(out, ignore_errors=True)  # the next round writes its own
     return {"tokens_per_s": tps, "peak": peak}
+
+
+def logged_steps(log_dir: Path) -> list:
+    """The metrics (name -> text) of every step after the first in a recipe's ``DiskLogger``
+    logs (``Step N | name:value ...`` lines), by step; step 1 warms up."""
+    logged = {}
+    for log in sorted(log_dir.glob("log_*.txt")):
+        for line in log.read_text().splitlines():
+            m = re.match(r"Step (\d+) \| (.*)", line)
+            if m:
+                logged[int(m.group(1))] = dict(kv.split(":", 1) for kv in m.group(2).split())
+    later = [v for step, v in sorted(logged.items()) if step > 1]
+    if not later:
+        raise RuntimeError(f"no step after the first is logged in {log_dir}")
+    return later
+
+
+RECIPES = ("lora_finetune_single_device", "squash_finetune")
+
+
+def run_recipes(args, ckpt_dir: Path, work: Path) -> dict:
+    """Both recipes, one after the other, in ``args.recipe_rounds`` rounds (load from elsewhere
+    then hits both alike): recipe -> list of runs."""
+    runs = {recipe: [] for recipe in RECIPES}
+    for i in range(args.recipe_rounds):
+        for recipe in RECIPES:
+            print(f"tune run {recipe} (round {i + 1}/{args.recipe_rounds})", flush=True)
+            runs[recipe].append(run_recipe(args, ckpt_dir, work, recipe))
+    return runs
+
+
+def recipe_lines(runs: dict) -> list:
+    """Table rows of the recipe runs: tokens/s median [min-max] over the rounds, squash's
+    tokens/s over torchtune's in each round, the largest peak."""
+    lines = []
+    base = runs.get(RECIPES[0])
+    for name, rs in runs.items():
+        tps = [r["tokens_per_s"] for r in rs]
+        what = "squash, A+B" if name == "squash_finetune" else "torchtune QLoRA"
+        ratio = ""
+        if base is not None and name != RECIPES[0]:
+            per = ", ".join(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}" for r, b in zip(rs, base))
+            ratio = f" ({per} of torchtune's, per round)"
+        lines.append(
+            f"| `tune run {name}` ({what}) | | | | {max(r['peak'] for r in rs) / 1024**2:.0f} "
+            f"(whole process) | | | | {statistics.median(tps):.0f} [{min(tps):.0f}-{max(tps):.0f}]"
+            f" (its log){ratio} | | |"
+        )
+    return lines
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -458,11 +507,7 @@ def table(args, timed, peaks, recipes) -> str:
                 f"its normal step) | {t['update_s']:.2f} | {t['update_s'] / base['step_s']:.2f} | "
                 f"{tokens / t['update_s']:.0f} | | |"
             )
-    for name, r in recipes.items():
-        lines.append(
-            f"| `tune run {name}` ({'squash, A+B' if name == 'squash_finetune' else 'torchtune QLoRA'}) "
-            f"| | | | {r['peak'] / mib:.0f} (whole process) | | | | {r['tokens_per_s']:.0f} (its log) | | |"
-        )
+    lines += recipe_lines(recipes)
     return "\n".join(lines) + "\n"
 
 
@@ -499,11 +544,7 @@ def main(argv=None) -> int:
         timed = time_rows(args, ckpt_dir)
         print("measuring peak memory", flush=True)
         peaks = measure_peaks(args, ckpt_dir)
-        recipes = {}
-        if not args.no_recipes:
-            for recipe in ("lora_finetune_single_device", "squash_finetune"):
-                print(f"tune run {recipe}", flush=True)
-                recipes[recipe] = run_recipe(args, ckpt_dir, work, recipe)
+        recipes = {} if args.no_recipes else run_recipes(args, ckpt_dir, work)
         text = table(args, timed, peaks, recipes)
     finally:
         shutil.rmtree(work, ignore_errors=True)

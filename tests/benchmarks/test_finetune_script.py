@@ -2,8 +2,9 @@
 memory columns agree with squash's memory arithmetic from shapes (the script measures the built
 models), its ranks are the largest that fit, its matmul floor is the step's FLOPs counted here by
 hand divided by the rate it prints, and its ratio columns are the quotients of its other columns
-(no timing is asserted)."""
+(no timing is asserted). The recipe rows are checked on logs written here by hand."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import torch
 from squash.training import lora_adapter_memory, max_rank_within
 
 REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("finetune_bench", REPO / "benchmarks" / "finetune.py")
+ft = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ft)
 
 
 # one layer of each: (in, out) of the adapted linears, of the other frozen linears (OPT's
@@ -95,3 +99,38 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
         assert lo * 0.999 - 0.005 <= float(row[10]) <= hi * 1.001 + 0.005
     update = [r for r in rows if r[0].strip().startswith("...")]
     assert len(update) == 1 and float(update[0][4]) > 0
+
+
+def _disk_log(log_dir, tokens_per_s):
+    """A torchtune ``DiskLogger`` file: ``Step N | name:value ...`` a line."""
+    log_dir.mkdir(parents=True)
+    lines = [f"Step {i + 1} | loss:2.5 lr:0.0001 tokens_per_second_per_gpu:{t}"
+             for i, t in enumerate(tokens_per_s)]
+    (log_dir / "log_1.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_recipe_rows_from_the_logs(tmp_path):
+    # Step 1 warms up and is left out; a run's tokens/s is the median of the rest.
+    _disk_log(tmp_path / "a", [10.0, 300.0, 340.0, 320.0])
+    steps = ft.logged_steps(tmp_path / "a")
+    assert [float(v["tokens_per_second_per_gpu"]) for v in steps] == [300.0, 340.0, 320.0]
+    mib = 1024**2
+    runs = {
+        "lora_finetune_single_device": [{"tokens_per_s": 400.0, "peak": 100 * mib},
+                                        {"tokens_per_s": 300.0, "peak": 120 * mib},
+                                        {"tokens_per_s": 350.0, "peak": 110 * mib}],
+        "squash_finetune": [{"tokens_per_s": 440.0, "peak": 90 * mib},
+                            {"tokens_per_s": 270.0, "peak": 95 * mib},
+                            {"tokens_per_s": 420.0, "peak": 99 * mib}],
+    }  # fmt: skip
+    torchtune, squash_row = ft.recipe_lines(runs)
+    # median [min-max] over the rounds, the largest peak, squash / torchtune per round by hand
+    assert "| 120 (whole process) |" in torchtune and "350 [300-400] (its log)" in torchtune
+    assert "| 99 (whole process) |" in squash_row and "420 [270-440] (its log)" in squash_row
+    assert "(1.10, 0.90, 1.20 of torchtune's, per round)" in squash_row
+
+
+def test_a_log_without_timed_steps_is_an_error(tmp_path):
+    _disk_log(tmp_path / "a", [10.0])
+    with pytest.raises(RuntimeError, match="no step after the first"):
+        ft.logged_steps(tmp_path / "a")
