@@ -255,6 +255,31 @@ inline void add_hsum8_m256(const __m256 (&p)[8], float* out) {
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_add_ps(lo, hi)));
 }
 
+#ifdef SQUASH_FFI_AVX512
+// 16-lane fp32 vectors: the eight sums in registers, halving the partials 16 -> 8 -> 4 -> 2 -> 1
+// lanes with lane shuffles (no trip through memory).
+template <>
+inline void add_hsum8<vfloat, float>(const vfloat (&p)[8], float* out) {
+  __m512 q[8], t[4];
+  for (int i = 0; i < 8; ++i) std::memcpy(&q[i], &p[i], sizeof(__m512));
+  // t[i]: 8 partials of p[2i] in the low 256 bits, of p[2i + 1] in the high ones.
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // u0, 128-bit lane L: 4 partials of p[L]; u1: of p[4 + L].
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane L: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] (a: u0's lane, b: u1's), then the pairs added.
+  const __m512 c = _mm512_add_ps(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
+  const __m512 e = _mm512_add_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(1, 0, 3, 2)));
+  // lane L, element 0: the sum of p[L]; element 1: of p[4 + L].
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m256 sums = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), sums));
+}
+#else
 // Any fp32 vector of 8 or more lanes: fold halves down to 8 lanes, then the AVX2 sum.
 template <>
 inline void add_hsum8<vfloat, float>(const vfloat (&p)[8], float* out) {
@@ -269,6 +294,7 @@ inline void add_hsum8<vfloat, float>(const vfloat (&p)[8], float* out) {
   }
   add_hsum8_m256(r, out);
 }
+#endif  // SQUASH_FFI_AVX512
 #endif
 
 }  // namespace squash_ffi_cpu
