@@ -77,10 +77,10 @@ def _load(name: str):
 
 # quality_smollm2.py: the checkpoint download, Welch's t, the command line's sizes
 # (sized_run), quiet recipe logs, a timed recipe run (set_up_train_score), the atomic table and
-# json writer; through it quality.py's sweep, lr rounding and mean / sample std.
+# json writer, an arm's splits and runs (run_splits, arm_runs: quality.py's sweep, then the
+# seeds); through it quality.py's mean / sample std.
 _q = _load("quality_smollm2")
-ensure_checkpoint, welch, sweep, _lr, mean_std = (
-    _q.ensure_checkpoint, _q.welch, _q.sweep, _q._lr, _q.mean_std)  # fmt: skip
+ensure_checkpoint, welch, mean_std = _q.ensure_checkpoint, _q.welch, _q.mean_std
 
 ARMS = [  # key, name, (task_weight, kd_weight, squarehead_weight)
     dict(key="ce", name="plain CE", weights=(1, 0, 0)),
@@ -478,9 +478,7 @@ def main(argv=None) -> dict:
         run_dir = work / f"run_{arm['key']}_{lr:.3e}_{seed}"
         cfg = recipe_config(arm, lr, seed, run_dir, ckpt, size, args.device, args.dtype)
         t = time.perf_counter()
-        swept = len(size["grid"]) > 1
-        splits = {"val": data["val"], "test": data["test"]} if seed == 0 and swept else {
-            "test": data["test"]}
+        splits = _q.run_splits(data, seed, size["grid"])
         r = distill(cfg, splits, teacher, base=res["nf4"] is None, references=references)
         if "base" in r:
             res["nf4"] = r.pop("base")
@@ -497,14 +495,8 @@ def main(argv=None) -> dict:
     try:
         by_key = {a["key"]: a for a in ARMS}
         for key in chosen:
-            arm = by_key[key]
-            seeds = list(range(size["seeds"]))
-            if len(size["grid"]) == 1:  # a fixed lr: test split only
-                sw, best, at_edge = {}, _lr(size["grid"][0]), False
-                test = [run(arm, best, s)["test"] for s in seeds]
-            else:
-                sw, best, at_edge = sweep(arm, size["grid"], size["max_widen"], run)
-                test = [sw[best]["test"]] + [run(arm, best, s)["test"] for s in seeds[1:]]
+            arm, seeds = by_key[key], list(range(size["seeds"]))
+            sw, best, at_edge, test = _q.arm_runs(arm, size, seeds, run)
             res["arms"].append(summarize(arm, sw, best, at_edge, test, seeds,
                                          res["teacher"]["test"]["perplexity"],
                                          res["nf4"]["test"]["perplexity"],

@@ -561,6 +561,26 @@ def write_table_and_json(out_md: Path, table: str, res: dict) -> None:
         tmp.replace(path)
 
 
+def run_splits(data: dict, seed: int, grid: list) -> dict:
+    """The splits one run scores: validation and test for seed 0 of a grid of several lrs (the
+    sweep's runs), test alone otherwise."""
+    if seed == 0 and len(grid) > 1:
+        return {"val": data["val"], "test": data["test"]}
+    return {"test": data["test"]}
+
+
+def arm_runs(arm: dict, size: dict, seeds: list, run) -> tuple:
+    """``(sweep, best lr, best at an edge, test scores per seed)`` of one arm through ``run(arm,
+    lr, seed)``: a grid of one lr runs every seed at it (test only); a longer grid is swept first
+    (``sweep``), its best run giving the first seed's test score, then the other seeds run at the
+    best lr."""
+    if len(size["grid"]) == 1:
+        best = _lr(size["grid"][0])
+        return {}, best, False, [run(arm, best, s)["test"] for s in seeds]
+    sw, best, at_edge = sweep(arm, size["grid"], size["max_widen"], run)
+    return sw, best, at_edge, [sw[best]["test"]] + [run(arm, best, s)["test"] for s in seeds[1:]]
+
+
 def write_result(res: dict, out_md: Path) -> None:
     """The table and the json beside it (:func:`write_table_and_json`)."""
     write_table_and_json(out_md, markdown(res), res)
@@ -668,9 +688,7 @@ def main(argv=None) -> dict:
         run_dir = work / f"run_{arm['key']}_{lr:.3e}_{seed}"
         cfg = recipe_config(arm, lr, seed, run_dir, ckpt, size, args.device, args.dtype)
         t = time.perf_counter()
-        swept = len(size["grid"]) > 1
-        splits = {"val": data["val"], "test": data["test"]} if seed == 0 and swept else {
-            "test": data["test"]}
+        splits = run_splits(data, seed, size["grid"])
         r = finetune(cfg, splits, base=res["base"] is None and not args.no_base)
         if "base" in r:
             res["base"] = r.pop("base")
@@ -686,15 +704,8 @@ def main(argv=None) -> dict:
     try:
         by_key = {a["key"]: a for a in arms(args.sparsity, DTYPES[args.dtype])}
         for key in chosen:
-            arm = by_key[key]
-            if len(size["grid"]) == 1:  # a fixed lr: the seeds asked for, test split only
-                best = _lr(size["grid"][0])
-                test = [run(arm, best, s)["test"] for s in seed_list]
-                res["arms"].append(summarize(arm, {}, best, False, test, seeds=seed_list))
-            else:
-                sw, best, at_edge = sweep(arm, size["grid"], size["max_widen"], run)
-                test = [sw[best]["test"]] + [run(arm, best, s)["test"] for s in seed_list[1:]]
-                res["arms"].append(summarize(arm, sw, best, at_edge, test, seeds=seed_list))
+            sw, best, at_edge, test = arm_runs(by_key[key], size, seed_list, run)
+            res["arms"].append(summarize(by_key[key], sw, best, at_edge, test, seeds=seed_list))
             write()
     finally:
         shutil.rmtree(work, ignore_errors=True)
