@@ -9,7 +9,8 @@
 // Layout. Token-major activations (T, F) are copied, tile by tile, into feature-major tiles
 // (F, W) of W tokens (zero past the last token; fp32, or fp64 for fp64 inputs). W runs from one
 // vector (16 fp32 lanes with AVX-512, 8 with AVX2, at least 8 tokens) up to 64 fp32 tokens for
-// long rows; the vector width comes from the compile target (ffi_cpu_simd.h). A gathered feature
+// long rows, and up to 128 for the values gradient on AVX-512; the vector width comes from the
+// compile target (ffi_cpu_simd.h). A gathered feature
 // is then W contiguous values: each gathered row costs W / lanes vector loads and fused
 // multiply-adds, and the W sums of one output row stay in registers across the whole fan-in.
 // W is chosen so that a tile stays in L2.
@@ -46,6 +47,10 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 #include "ffi_cpu_simd.h"
 #include "ffi_index_check.h"
@@ -91,6 +96,15 @@ struct AccType<double> {
 
 // Bytes of the feature-major tile(s) one thread gathers from (half of a 512 KiB L2).
 constexpr int64_t kTileBytes = 256 * 1024;
+// The values gradient's tiles may fill half of the core's L2 where that is larger (l2_bytes).
+// Its tokens are summed across a vector and then across lanes for every gathered row, so wider
+// tiles (up to kDotVectors vectors: a row of the g tile and eight running sums stay in
+// registers) spread those horizontal sums over more tokens.
+#ifdef SQUASH_FFI_AVX512
+constexpr int kDotVectors = 8;  // 32 vector registers
+#else
+constexpr int kDotVectors = 4;
+#endif
 // Up to this many tokens, the forward and the values gradient gather from the token rows
 // directly, and the input gradient scatters into them (cheaper than building its CSC pattern).
 constexpr int64_t kDirectTokens = 2;
@@ -157,27 +171,48 @@ constexpr int wide_width() {
   return 256 / sizeof(acc_t) > min_width<acc_t>() ? 256 / sizeof(acc_t) : min_width<acc_t>();
 }
 
-// Tile width for `rows` feature rows of acc_t per token and T tokens.
+// The values gradient's widest tile: kDotVectors vectors, and no narrower than 32 tokens.
 template <typename acc_t>
-int64_t tile_width(int64_t rows, int64_t tokens) {
+constexpr int dot_width() {
+  return kDotVectors * Vec<acc_t>::lanes > 32 ? kDotVectors * Vec<acc_t>::lanes : 32;
+}
+
+// L2 bytes of one core as the OS reports them (sysconf), else 512 KiB.
+int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    const long b = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (b > 0) return static_cast<int64_t>(b);
+#endif
+    return int64_t{512 * 1024};
+  }();
+  return bytes;
+}
+
+// Tile width for `rows` feature rows of acc_t per token and T tokens: up to `widest` tokens,
+// halved while the tile exceeds `budget` bytes.
+template <typename acc_t>
+int64_t tile_width(int64_t rows, int64_t tokens, int64_t widest = 32,
+                   int64_t budget = kTileBytes) {
   constexpr int64_t lo = min_width<acc_t>(), elem = sizeof(acc_t);
-  int64_t w = std::max<int64_t>(32, lo);
-  while (w > lo && rows * w * elem > kTileBytes) w /= 2;
+  int64_t w = std::max<int64_t>(widest, lo);
+  while (w > lo && rows * w * elem > budget) w /= 2;
   while (w > lo && w / 2 >= tokens) w /= 2;  // do not pad a few tokens out to a wide tile
   return w;
 }
 
 // Runs f(std::integral_constant<int, W>{}) for the runtime tile width W: the smallest of
-// min_width, 2 min_width, ..., wide_width that holds W.
-template <typename acc_t, int Wc = min_width<acc_t>(), typename F>
+// min_width, 2 min_width, ..., Wmax that holds W.
+template <typename acc_t, int Wmax = wide_width<acc_t>(), int Wc = min_width<acc_t>(),
+          typename F>
 void with_width(int64_t W, const F& f) {
-  if constexpr (Wc >= wide_width<acc_t>()) {
+  if constexpr (Wc >= Wmax) {
     f(std::integral_constant<int, Wc>{});
   } else {
     if (W <= Wc)
       f(std::integral_constant<int, Wc>{});
     else
-      with_width<acc_t, 2 * Wc>(W, f);
+      with_width<acc_t, Wmax, 2 * Wc>(W, f);
   }
 }
 
@@ -735,13 +770,20 @@ void grad_values_impl(const at::Tensor& g2, const at::Tensor& x2, const idx_t* i
   const int64_t block_features = kBlockBytes / (wide * static_cast<int64_t>(sizeof(acc_t)));
   const bool blocked = T >= kMinBlockedTokens && div_up(T, wide) >= 2 * nthreads &&
                        k * block_features >= kMinSegment * in;
-  const int64_t W = blocked ? wide : tile_width<acc_t>(in + out, T);
+  // Unblocked: up to dot_width tokens in half the L2, but no wider than 32 tokens where that
+  // would leave fewer than two tiles per thread.
+  int64_t W = wide;
+  if (!blocked) {
+    W = tile_width<acc_t>(in + out, T, dot_width<acc_t>(), std::max(kTileBytes, l2_bytes() / 2));
+    while (W > 32 && div_up(T, W) < 2 * nthreads) W /= 2;
+  }
   const int64_t nt = div_up(T, W);
   const Blocks fb = blocked ? make_blocks(idx, out, in, block_features,
                                           [k](int64_t o) { return o * k; })
                             : Blocks{};
 
-  with_width<acc_t>(W, [&](auto w_const) {
+  constexpr int Wmax = std::max(wide_width<acc_t>(), dot_width<acc_t>());
+  with_width<acc_t, Wmax>(W, [&](auto w_const) {
     constexpr int Wc = decltype(w_const)::value;
     if (nt >= 2 * nthreads) {
       // Tiles in nc contiguous chunks run in parallel; chunk c sums into partial c.

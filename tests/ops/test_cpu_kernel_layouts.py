@@ -5,7 +5,9 @@ through the token rows (the input gradient scatters up to eight), more tokens ar
 feature-major tiles of W = 8, 16 or 32 tokens (W shrinks for wide rows and for few tokens), and
 the tiles are split over threads either whole (many tiles) or by output rows (few tiles). From
 128 tokens, long rows (many indices per 128 features) use W = 64 tiles read one L1-sized block
-of features (of grad_out rows, for the input gradient) at a time. The tile copies transpose
+of features (of grad_out rows, for the input gradient) at a time. The values gradient's other
+tiles grow to 64 or 128 tokens (AVX-512: eight vectors; fp64 64) where the tile fits half the
+L2 and each thread still gets two tiles. The tile copies transpose
 16x16 blocks on AVX-512 (8x8 elsewhere) and finish the rows and tokens left over one by one.
 The shapes below are picked to
 land on each of these, on partial tiles and on widths that are not a multiple of 8, and every
@@ -46,6 +48,8 @@ SHAPES = [
     ((150,), 300, 140, 120),  # long rows, 3 feature blocks; 3 tiles of 64: split by rows (2 thr.)
     ((20,), 1000, 63, 500),  # CSC pattern counted and filled in parallel chunks (2 threads)
     ((45,), 150, 37, 20),  # AVX-512 16x16 tile copies: 2 feature passes, 6 + 5 + 13 leftovers
+    ((600,), 200, 40, 20),  # AVX-512 values gradient: W = 128 tiles, the last of 88 tokens
+    ((200,), 200, 40, 20),  # values gradient W = 64 with 2 threads (128 with one), partial tile
 ]
 
 
