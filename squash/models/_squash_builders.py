@@ -2,7 +2,8 @@
 
 torchtune's component builders cannot take an adapter class, so each of these builds torchtune's
 (Q)LoRA model and swaps every ``LoRALinear`` for a :class:`~squash.modules.SparseLoRALinear`
-with the same rank, alpha, dropout and base (:func:`~squash.modules.swap_lora_linear`).
+with the same rank, alpha, dropout and base (:func:`~squash.modules.swap_lora_linear`); an NF4 projection left without an adapter is computed
+with squash's NF4 kernel (:func:`~squash.modules.use_squash_nf4_`).
 ``quantize_base=True`` by default, as in torchtune's ``qlora_*`` builders. ``init="svd"`` factors
 each base the model holds when built; after loading a checkpoint, call
 :func:`~squash.modules.svd_initialize` with its unquantized weights.
@@ -32,7 +33,7 @@ from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
-from squash.modules import flatten_tied_output, swap_lora_linear
+from squash.modules import flatten_tied_output, swap_lora_linear, use_squash_nf4_
 
 
 def squash_model(
@@ -66,9 +67,10 @@ def squash_model(
     check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
     check_choice("init", init, INITS)
     model = flatten_tied_output(builder(**lora_kwargs))
-    return swap_lora_linear(
+    model = swap_lora_linear(
         model, sparsity=sparsity, sparse_factor=sparse_factor, init=init, generator=generator
     )
+    return use_squash_nf4_(model)  # projections left without an adapter
 
 
 def squash_llama3_2_1b(

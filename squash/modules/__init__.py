@@ -1,9 +1,11 @@
 """Modules: ``FFILinear`` (a sparse ``nn.Linear``), ``SparseLoRALinear`` (an adapter module) and
 model surgery that swaps torchtune's ``LoRALinear`` for it; ``FlatTiedLinear``, a tied output
-projection computed as one 2-D matmul."""
+projection computed as one 2-D matmul; ``NF4LoRALinear`` and ``NF4Linear``, torchtune's NF4
+modules computed with squash's NF4 kernel."""
 
 from squash.modules.adapter import SparseAdapterModule, get_adapter_modules, is_lora_adapter
 from squash.modules.ffi_linear import FFILinear
+from squash.modules.nf4_lora import NF4Linear, NF4LoRALinear, is_plain_lora, use_squash_nf4_
 from squash.modules.sparse_lora import SparseLoRALinear, lora_factor
 from squash.modules.surgery import (
     adapter_state_dict,
@@ -16,6 +18,8 @@ from squash.modules.tied import FlatTiedLinear, flatten_tied_output
 __all__ = [
     "FFILinear",
     "FlatTiedLinear",
+    "NF4LoRALinear",
+    "NF4Linear",
     "SparseAdapterModule",
     "SparseLoRALinear",
     "adapter_state_dict",
@@ -23,7 +27,9 @@ __all__ = [
     "get_adapter_buffers",
     "get_adapter_modules",
     "is_lora_adapter",
+    "is_plain_lora",
     "lora_factor",
     "svd_initialize",
     "swap_lora_linear",
+    "use_squash_nf4_",
 ]

@@ -155,10 +155,12 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
 
     What torchtune's QLoRA builders (``quantize_base=True``) quantize, for models whose shapes
     torchtune's default block sizes refuse: build the model with ``quantize_base=False``, then call
-    this. The base of each ``LoRALinear`` becomes an NF4 parameter (and the module computes with
-    ``linear_nf4``, as torchtune's QLoRA ``LoRALinear`` does); each plain ``nn.Linear`` (a
-    projection left without an adapter) becomes torchtune's ``FrozenNF4Linear`` holding its
-    weight. The adapter factors, embeddings and output projection are left as they are.
+    this. The base of each ``LoRALinear`` becomes an NF4 parameter and the module an
+    :class:`~squash.modules.NF4LoRALinear` (torchtune's QLoRA ``LoRALinear`` computed with squash's
+    NF4 kernel, equal bit for bit); each plain ``nn.Linear`` (a projection left without an
+    adapter) becomes an :class:`~squash.modules.NF4Linear` (torchtune's ``FrozenNF4Linear``, the
+    same way) holding its weight. The adapter factors, embeddings and output projection are left
+    as they are.
 
     Args:
         model (torch.nn.Module): a torchtune ``TransformerDecoder`` (anything with ``layers``).
@@ -169,25 +171,25 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: naming the module whose shape no block size divides, or a biased linear.
     """
-    from torchtune.modules.low_precision import FrozenNF4Linear
-    from torchtune.modules.peft import LoRALinear
+    from squash.modules.nf4_lora import NF4LoRALinear, NF4Linear, is_plain_lora
 
     for layer_name, layer in model.layers.named_modules(prefix="layers"):
         if hasattr(layer, "adapter_params"):  # an adapter's factors stay as they are
             continue
         for child_name, child in list(layer.named_children()):
             name = f"{layer_name}.{child_name}"
-            if isinstance(child, LoRALinear) and type(child) is LoRALinear:
+            if is_plain_lora(child):
                 if not child._quantize_base:
                     child.weight = torch.nn.Parameter(
                         quantize_nf4(child.weight.detach(), name), requires_grad=False
                     )
                     child._quantize_base = True
+                child.__class__ = NF4LoRALinear  # see use_squash_nf4_
             elif type(child) is torch.nn.Linear:
                 if child.bias is not None:
                     raise ValueError(f"{name}: FrozenNF4Linear takes no bias")
                 block, scaler = nf4_block_sizes(name, tuple(child.weight.shape))
-                frozen = FrozenNF4Linear(
+                frozen = NF4Linear(
                     child.in_features,
                     child.out_features,
                     bias=False,

@@ -15,6 +15,7 @@ from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
 from squash.modules.adapter import SparseAdapterModule
+from squash.modules.nf4_lora import is_plain_lora
 from squash.modules.sparse_lora import SparseLoRALinear
 
 
@@ -26,7 +27,8 @@ def swap_lora_linear(
     init: str = "lora",
     generator: Optional[torch.Generator] = None,
 ) -> nn.Module:
-    """Swap every torchtune ``LoRALinear`` in ``model`` for a ``SparseLoRALinear``, in place.
+    """Swap every torchtune ``LoRALinear`` in ``model`` (and every
+    :class:`~squash.modules.NF4LoRALinear`) for a ``SparseLoRALinear``, in place.
 
     Each replacement keeps rank, alpha, dropout probability, bias, the dense or NF4 base (the very
     same ``weight``/``bias`` parameters, loaded weights included) and the ``disabled`` flag and
@@ -55,19 +57,19 @@ def swap_lora_linear(
     check_choice("init", init, INITS)
     kwargs = dict(sparsity=sparsity, sparse_factor=sparse_factor, init=init, generator=generator)
     _check_swappable("", model)
-    if type(model) is LoRALinear:
+    if is_plain_lora(model):
         return SparseLoRALinear.from_lora_linear(model, **kwargs)
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             _check_swappable(f"{parent_name}.{name}" if parent_name else name, child)
-            if type(child) is LoRALinear:
+            if is_plain_lora(child):
                 setattr(parent, name, SparseLoRALinear.from_lora_linear(child, **kwargs))
     return model
 
 
 def _check_swappable(name: str, module: nn.Module) -> None:
     if isinstance(module, DoRALinear) or (
-        isinstance(module, LoRALinear) and type(module) is not LoRALinear
+        isinstance(module, LoRALinear) and not is_plain_lora(module)
     ):
         raise ValueError(
             f"cannot swap {type(module).__name__} at {name or '<root>'!r}: squash replaces plain "

@@ -13,9 +13,7 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 from torch import nn
-from torchtune.modules.peft import LoRALinear
-
-from squash.modules import SparseLoRALinear, get_adapter_modules
+from squash.modules import SparseLoRALinear, get_adapter_modules, is_plain_lora
 from squash.modules.ffi_linear import kaiming_uniform_
 
 
@@ -78,7 +76,7 @@ def initial_adapter_state_dict(model: nn.Module, seed: int) -> Dict[str, torch.T
             twin = _fresh_sparse(module)
             twin.initialize_parameters(generator=generator)
             out.update(_adapter_tensors(name, twin))
-        elif type(module) is LoRALinear:
+        elif is_plain_lora(module):
             dtype = _factor_dtype(module)
             a = torch.empty(module.rank, module.in_dim, dtype=dtype)
             kaiming_uniform_(a, module.in_dim, generator=generator)

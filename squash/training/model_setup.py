@@ -10,7 +10,7 @@ from torch import nn
 from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from squash.modules import FFILinear, get_adapter_modules, svd_initialize
+from squash.modules import FFILinear, get_adapter_modules, svd_initialize, use_squash_nf4_
 from squash.training import checkpoint as ckpt
 from squash.training.adapter_init import initial_adapter_state_dict
 from squash.training.config_checks import ConfigKeyError
@@ -42,13 +42,15 @@ def build_adapter_model(
 ) -> nn.Module:
     """Build the model of ``cfg_model`` on ``device`` (``"meta"`` too) with the LoRA init (an
     ``init: svd`` is applied once the base weights are loaded) and only its adapters trainable.
+    torchtune's NF4 modules (``LoRALinear`` with an NF4 base, ``FrozenNF4Linear``) are computed
+    with squash's NF4 kernel (:func:`~squash.modules.use_squash_nf4_`: equal bit for bit).
 
     Raises:
         ConfigKeyError: a model without adapters, or ``mask_update`` without a sparse factor.
     """
     overrides = {"init": "lora"} if "init" in cfg_model else {}
     with training.set_default_dtype(dtype), torch.device(device):
-        model = config.instantiate(cfg_model, **overrides)
+        model = use_squash_nf4_(config.instantiate(cfg_model, **overrides))
     if not get_adapter_modules(model):
         raise ConfigKeyError(
             f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "
@@ -142,13 +144,14 @@ def setup_frozen_model(
 
     Every key must load, except adapter keys (``.lora_``) of a model with adapters, which keep
     their initialisation (``lora_b`` is zero, so the adapters add nothing until an adapter is
-    loaded into them).
+    loaded into them). NF4 modules are computed with squash's kernel, as in
+    :func:`build_adapter_model`.
 
     Raises:
         ValueError: naming ``where`` if the weights do not fit the model.
     """
     with training.set_default_dtype(dtype), device:
-        model = config.instantiate(cfg_model)
+        model = use_squash_nf4_(config.instantiate(cfg_model))
     load_all_but_adapters(
         model, state_dict, f"The checkpoint of {where} does not fit {cfg_model._component_}"
     )

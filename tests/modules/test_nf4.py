@@ -7,10 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torchtune.models.llama3_2._component_builders import lora_llama3_2
-from torchtune.modules.low_precision import FrozenNF4Linear
-from torchtune.modules.peft import LoRALinear
-
-from squash.modules import SparseLoRALinear
+from squash.modules import NF4Linear, NF4LoRALinear, SparseLoRALinear
 from squash.modules._nf4 import (
     NF4Tensor,
     nf4_block_sizes,
@@ -123,13 +120,13 @@ def test_quantize_base_of_a_torchtune_model_torchtune_refuses():
     quantize_base_(model)
     attn = model.layers[0].attn
     expected = {
-        "attn.q_proj": (LoRALinear, (64, 192)),
-        "attn.v_proj": (LoRALinear, (64, 192)),
-        "attn.k_proj": (FrozenNF4Linear, (64, 192)),
-        "attn.output_proj": (FrozenNF4Linear, (64, 192)),
-        "mlp.w1": (FrozenNF4Linear, (64, 192)),
-        "mlp.w2": (FrozenNF4Linear, (64, 192)),
-        "mlp.w3": (FrozenNF4Linear, (64, 192)),
+        "attn.q_proj": (NF4LoRALinear, (64, 192)),
+        "attn.v_proj": (NF4LoRALinear, (64, 192)),
+        "attn.k_proj": (NF4Linear, (64, 192)),
+        "attn.output_proj": (NF4Linear, (64, 192)),
+        "mlp.w1": (NF4Linear, (64, 192)),
+        "mlp.w2": (NF4Linear, (64, 192)),
+        "mlp.w3": (NF4Linear, (64, 192)),
     }
     for name, (cls, sizes) in expected.items():
         mod, ref = model.layers[0].get_submodule(name), dense.layers[0].get_submodule(name)

@@ -14,8 +14,8 @@ TINY = REPO / "assets" / "tiny_opt"
 
 
 def _first_batch_loss_by_hand(tmp_path) -> float:
-    """Cross-entropy of the first 4 samples (shuffle off) under torchtune's own QLoRA model of
-    the tiny OPT: at step 1 the adapter adds nothing (B = 0), so this is the base's loss."""
+    """Cross-entropy of the first 4 samples (shuffle off) under the dense QLoRA model of the tiny
+    OPT: at step 1 the adapter adds nothing (B = 0), so this is the base's loss."""
     from torchtune.data import padded_collate_sft
     from torchtune.datasets import alpaca_dataset
 

@@ -3,9 +3,10 @@
 As in torchtune, the building blocks (:class:`~torchtune.modules.MultiHeadAttention`,
 :class:`~torchtune.modules.FeedForward`, :class:`~torchtune.modules.TransformerSelfAttentionLayer`)
 receive their linear layers; these builders decide whether each one is an ``nn.Linear`` or an
-adapter, and which adapter class: :class:`~torchtune.modules.peft.LoRALinear`, or squash's
-:class:`~squash.modules.SparseLoRALinear` when a ``sparsity`` is given (as torchtune picks
-``DoRALinear`` or ``LoRALinear``), NF4 base with ``quantize_base``. A model is built once, in its
+adapter, and which adapter class: :class:`~torchtune.modules.peft.LoRALinear` (with an NF4
+base, ``quantize_base``, squash's :class:`~squash.modules.NF4LoRALinear`: the same module computed
+with squash's NF4 kernel), or squash's :class:`~squash.modules.SparseLoRALinear` when a
+``sparsity`` is given (as torchtune picks ``DoRALinear`` or ``LoRALinear``). A model is built once, in its
 final shape.
 
 Weights are initialised as transformers initialises OPT (``OPTPreTrainedModel._init_weights``):
@@ -49,7 +50,7 @@ from squash.models.opt._decoder import (
     OPTLearnedPositionalEmbedding,
     OPTPostNormLayer,
 )
-from squash.modules import FlatTiedLinear, SparseLoRALinear, get_adapter_modules
+from squash.modules import FlatTiedLinear, NF4LoRALinear, SparseLoRALinear, get_adapter_modules
 from squash.modules._nf4 import check_nf4_shape
 
 
@@ -321,7 +322,9 @@ def lora_opt(
             quantize_base=quantize_base,
         )
         if sparsity is None:  # torchtune's LoRALinear draws its own base: give it OPT's init
-            return _init_base_(LoRALinear(in_dim, out_dim, **lora_args), init_std)
+            # (an NF4 base: NF4LoRALinear, LoRALinear computed with squash's NF4 kernel)
+            lora_cls = NF4LoRALinear if quantize_base else LoRALinear
+            return _init_base_(lora_cls(in_dim, out_dim, **lora_args), init_std)
         weight, bias = _opt_base(in_dim, out_dim, init_std)  # OPT's init, before any svd init
         return SparseLoRALinear(
             in_dim,
