@@ -9,11 +9,18 @@ ones; the tied head computed as squash's builders compute it, ``FlatTiedLinear``
 row), one process builds every row's model and times their training steps (forward, backward,
 AdamW step) in interleaved rounds, so load from elsewhere hits all rows alike. The rows:
 
-- ``torchtune QLoRA r``: torchtune's ``LoRALinear`` on NF4 weights (what torchtune's
-  ``lora_finetune_single_device`` trains with a ``qlora_*`` model): the baseline.
+- ``torchtune QLoRA r``: torchtune's ``LoRALinear`` on NF4 weights, computed with torchao's
+  ``linear_nf4`` (what torchtune's ``lora_finetune_single_device`` trains with a torchtune
+  ``qlora_*`` model): the baseline.
+- ``squash's QLoRA r``: the same dense adapters computed with squash's NF4 kernel
+  (``NF4LoRALinear``, what squash's ``qlora_*`` builders and recipes build; equal bit for bit).
 - ``squash r, A 90%``, and squash at the largest ranks whose adapter + gradient + AdamW bytes fit
   in the baseline's (``squash.training.max_rank_within``), with A 90% sparse and with A and B.
 - the same with a mask update every ``--mask-every`` steps (update steps timed on their own).
+- ``bound``: the A+B model with its adapters switched off (``disabled``; the gradient still runs
+  back through every layer to the embeddings' output): the step that no adapter on squash's NF4
+  base can beat, so ``bound / torchtune QLoRA`` is the lowest ratio any squash adapter could
+  reach.
 - ``LoRA r, no quantization``: dense base weights.
 
 Each row also gets its step's matmul floor: the matmul FLOPs of its step (``profile_step.py``'s
@@ -24,10 +31,10 @@ Peak memory is measured per row in a fresh process, during one step after a warm
 the CPU the process's peak resident memory, VmHWM, reset through ``/proc/self/clear_refs``; on a
 GPU ``torch.cuda.max_memory_allocated``), and, for the mask row, during the step that records
 growth candidates and updates the masks. Then the real recipes run on
-the same model for a few steps (``tune run lora_finetune_single_device`` and ``tune run
-squash_finetune``, one after the other in each of ``--recipe-rounds`` rounds) and their logged
-tokens/s (median and range over the rounds, and squash's over torchtune's in each round) and
-peak memory are added, so the script's numbers can be tied to what the recipes do. The table is printed and written to ``benchmarks/results/``.
+the same model for a few steps (``tune run lora_finetune_single_device`` with torchao's NF4
+(``SQUASH_NF4=torchao``), ``tune run squash_finetune`` with squash's QLoRA and with squash A+B,
+one after the other in each of ``--recipe-rounds`` rounds) and their logged tokens/s (median and
+range over the rounds, and each over torchtune's in each round) and peak memory are added, so the script's numbers can be tied to what the recipes do. The table is printed and written to ``benchmarks/results/``.
 
     python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
     python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
@@ -122,24 +129,30 @@ def rows(args):
     r_a = max_rank_within(budget, shapes(args), sparsity=s, sparse_factor="a", dtype=dtype)
     r, pct = args.rank, f"{round(s * 100)}%"
     q = dict(quantize_base=True)
+    both = dict(lora_rank=r_both, sparsity=s, sparse_factor="both", **q)
     return [
-        (f"torchtune QLoRA r={r}", dict(lora_rank=r, **q), False),
+        (f"torchtune QLoRA r={r}", dict(lora_rank=r, nf4="torchao", **q), False),
+        (f"squash's QLoRA r={r}", dict(lora_rank=r, **q), False),
         (f"squash r={r}, A {pct}", dict(lora_rank=r, sparsity=s, sparse_factor="a", **q), False),
         (f"squash r={r_a}, A {pct}", dict(lora_rank=r_a, sparsity=s, sparse_factor="a", **q), False),
-        (f"squash r={r_both}, A+B {pct}",
-         dict(lora_rank=r_both, sparsity=s, sparse_factor="both", **q), False),
-        (f"squash r={r_both}, A+B {pct}, mask update",
-         dict(lora_rank=r_both, sparsity=s, sparse_factor="both", **q), True),
+        (f"squash r={r_both}, A+B {pct}", both, False),
+        (f"squash r={r_both}, A+B {pct}, mask update", both, True),
+        (f"bound: squash r={r_both}, A+B {pct}, adapters off", dict(both, off=True), False),
         (f"LoRA r={r}, no quantization", dict(lora_rank=r, quantize_base=False), False),
     ]  # fmt: skip
 
 
 def build(args, kwargs, base_state_dict):
+    """A row's model and optimizer. ``kwargs`` are the builder's, and two of the script's own:
+    ``nf4="torchao"`` (torchtune's own NF4 modules: torchao's ``linear_nf4``) and ``off=True``
+    (adapters switched off, the gradient still reaching every layer)."""
     from torchtune import training
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
     from squash.models.opt import lora_opt
 
+    kwargs = dict(kwargs)
+    torchao, off = kwargs.pop("nf4", None) == "torchao", kwargs.pop("off", False)
     with training.set_default_dtype(DTYPES[args.dtype]), torch.device(args.device):
         if args.family == "opt350m":
             model = lora_opt(MODULES, True, num_layers=args.layers,
@@ -148,6 +161,10 @@ def build(args, kwargs, base_state_dict):
             model = _smollm2(args, **kwargs)
     model.load_state_dict(base_state_dict, strict=False)
     set_trainable_params(model, get_adapter_params(model))
+    if torchao:
+        as_torchtune_nf4_(model)
+    if off:
+        switch_adapters_off_(model)
     model.set_num_output_chunks(8)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, optimizer
@@ -169,6 +186,33 @@ def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor=None):
         quantize_base_(model)
     if sparsity is not None:
         model = swap_lora_linear(model, sparsity=sparsity, sparse_factor=sparse_factor)
+    return model
+
+
+def as_torchtune_nf4_(model):
+    """The inverse of ``squash.modules.use_squash_nf4_``: torchtune's own ``LoRALinear`` and
+    ``FrozenNF4Linear`` (torchao's ``linear_nf4``), in place."""
+    from torchtune.modules.low_precision import FrozenNF4Linear
+    from torchtune.modules.peft import LoRALinear
+
+    from squash.modules import NF4Linear, NF4LoRALinear
+
+    for m in model.modules():
+        if type(m) is NF4LoRALinear:
+            m.__class__ = LoRALinear
+        elif type(m) is NF4Linear:
+            m.__class__ = FrozenNF4Linear
+    return model
+
+
+def switch_adapters_off_(model):
+    """Every adapter ``disabled`` (its module computes the base alone), and the token embeddings'
+    output made to require a gradient, so that the backward still runs through every layer."""
+    from squash.modules import get_adapter_modules
+
+    for m in get_adapter_modules(model).values():
+        m.disabled = True
+    model.tok_embeddings.register_forward_hook(lambda mod, args, out: out.requires_grad_())
     return model
 
 
@@ -341,27 +385,29 @@ def time_rows(args, ckpt_dir: Path) -> list:
 
 
 # ---- the recipes --------------------------------------------------------------------------------
-def recipe_config(args, ckpt_dir: Path, out: Path, recipe: str) -> Path:
+def recipe_config(args, ckpt_dir: Path, out: Path, recipe: str, sparse: bool) -> Path:
+    """The config of one recipe run: dense LoRA rank ``--rank`` on NF4 bases, or (``sparse``)
+    squash A+B at the rank of the A+B row."""
     squash = recipe == "squash_finetune"
     r_both = next(kw["lora_rank"] for _, kw, m in rows(args)
                   if kw.get("sparse_factor") == "both" and not m)
-    sparse = dict(lora_rank=r_both, lora_alpha=2 * r_both, sparsity=args.sparsity,
-                  sparse_factor="both")
+    sparse_kw = dict(lora_rank=r_both, lora_alpha=2 * r_both, sparsity=args.sparsity,
+                     sparse_factor="both")
     if args.family == "opt350m":
         model = {"_component_": "squash.models.opt.lora_opt", "lora_attn_modules": MODULES,
                  "apply_lora_to_mlp": True, "num_layers": args.layers, **args.model,
                  "lora_rank": args.rank, "lora_alpha": 2 * args.rank, "quantize_base": True}
-        if squash:
-            model.update(sparse)
+        if sparse:
+            model.update(sparse_kw)
         tokenizer = {"_component_": "squash.models.opt.opt_tokenizer",
                      "vocab_path": str(ckpt_dir / "vocab.json"),
                      "merges_path": str(ckpt_dir / "merges.txt"), "max_seq_len": args.seq_len}
         checkpointer = {"_component_": "squash.models.opt.OPTCheckpointer"}
     else:  # the real SmolLM2 (30 layers): squash's builders, torchtune's HF checkpointer
-        builder = "squash_smollm2_135m" if squash else "lora_smollm2_135m"
+        builder = "squash_smollm2_135m" if sparse else "lora_smollm2_135m"
         model = {"_component_": f"squash.models.smollm2.{builder}", "lora_attn_modules": MODULES,
                  "apply_lora_to_mlp": True, "lora_rank": args.rank, "lora_alpha": 2 * args.rank,
-                 "quantize_base": True, **(sparse if squash else {})}
+                 "quantize_base": True, **(sparse_kw if sparse else {})}
         tokenizer = {"_component_": "squash.models.smollm2.smollm2_tokenizer",
                      "path": str(ckpt_dir), "max_seq_len": args.seq_len}
         checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer",
@@ -390,17 +436,21 @@ def recipe_config(args, ckpt_dir: Path, out: Path, recipe: str) -> Path:
     }  # fmt: skip
     if not squash:
         cfg["clip_grad_norm"] = None
-    path = out.parent / f"{recipe}.yaml"
+    path = out.parent / f"{out.name}.yaml"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
     return path
 
 
-def run_recipe(args, ckpt_dir: Path, work: Path, recipe: str) -> dict:
-    out = work / f"run_{recipe}"  # not the module's name: tune run imports from this cwd
-    cfg = recipe_config(args, ckpt_dir, out, recipe)
+def run_recipe(args, ckpt_dir: Path, work: Path, run: tuple) -> dict:
+    """One recipe run of ``RECIPE_RUNS``: its tokens/s (median of the logged steps after the
+    first) and peak memory."""
+    label, recipe, sparse, nf4 = run
+    out = work / f"run_{recipe}_{'sparse' if sparse else 'dense'}"  # not a module's name
+    cfg = recipe_config(args, ckpt_dir, out, recipe, sparse)
     tune = str(Path(sys.executable).with_name("tune"))
-    proc = subprocess.Popen([tune, "run", recipe, "--config", str(cfg)], cwd=work,
+    env = dict(os.environ, SQUASH_NF4=nf4)
+    proc = subprocess.Popen([tune, "run", recipe, "--config", str(cfg)], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -431,30 +481,36 @@ def logged_steps(log_dir: Path) -> list:
     return later
 
 
-RECIPES = ("lora_finetune_single_device", "squash_finetune")
+# (label, recipe, sparse adapters?, SQUASH_NF4): torchtune's recipe computes its NF4 bases with
+# torchao's linear_nf4 as torchtune's own modules do; squash's recipe with squash's NF4 kernel.
+RECIPE_RUNS = (
+    ("torchtune QLoRA", "lora_finetune_single_device", False, "torchao"),
+    ("squash's QLoRA", "squash_finetune", False, "native"),
+    ("squash, A+B", "squash_finetune", True, "native"),
+)
 
 
 def run_recipes(args, ckpt_dir: Path, work: Path) -> dict:
-    """Both recipes, one after the other, in ``args.recipe_rounds`` rounds (load from elsewhere
-    then hits both alike): recipe -> list of runs."""
-    runs = {recipe: [] for recipe in RECIPES}
+    """The recipe runs, one after the other, in ``args.recipe_rounds`` rounds (load from
+    elsewhere then hits all alike): ``(label, recipe)`` -> list of runs."""
+    runs = {run[:2]: [] for run in RECIPE_RUNS}
     for i in range(args.recipe_rounds):
-        for recipe in RECIPES:
-            print(f"tune run {recipe} (round {i + 1}/{args.recipe_rounds})", flush=True)
-            runs[recipe].append(run_recipe(args, ckpt_dir, work, recipe))
+        for run in RECIPE_RUNS:
+            print(f"tune run {run[1]}, {run[0]} (round {i + 1}/{args.recipe_rounds})", flush=True)
+            runs[run[:2]].append(run_recipe(args, ckpt_dir, work, run))
     return runs
 
 
 def recipe_lines(runs: dict) -> list:
-    """Table rows of the recipe runs: tokens/s median [min-max] over the rounds, squash's
-    tokens/s over torchtune's in each round, the largest peak."""
+    """Table rows of the recipe runs (``(label, recipe)`` -> runs; the first is the baseline):
+    tokens/s median [min-max] over the rounds, each run's tokens/s over the baseline's in the same
+    round, the largest peak."""
     lines = []
-    base = runs.get(RECIPES[0])
-    for name, rs in runs.items():
+    base = next(iter(runs.values()), None)
+    for i, ((what, name), rs) in enumerate(runs.items()):
         tps = [r["tokens_per_s"] for r in rs]
-        what = "squash, A+B" if name == "squash_finetune" else "torchtune QLoRA"
         ratio = ""
-        if base is not None and name != RECIPES[0]:
+        if i > 0:
             per = ", ".join(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}" for r, b in zip(rs, base))
             ratio = f" ({per} of torchtune's, per round)"
         lines.append(

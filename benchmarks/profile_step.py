@@ -11,7 +11,9 @@ Two models, random weights at real sizes (no download):
 
 Adapters (``--adapter``): ``squash`` (FFI, ``--sparse-factor`` at ``--sparsity``, at the largest
 rank whose adapter + gradient + AdamW bytes fit in dense LoRA's at ``--rank``), ``qlora``
-(torchtune's dense LoRA at ``--rank``) or ``lora`` (dense adapters, unquantized base);
+(torchtune's dense LoRA at ``--rank``, torchao's NF4), ``squash-qlora`` (the same adapters with
+squash's NF4 kernel: ``NF4LoRALinear``, what squash's ``qlora_*`` builders build) or ``lora``
+(dense adapters, unquantized base);
 ``--unquantized`` keeps squash's (or QLoRA's) base weights dense, so that a pair of runs shows
 what NF4 costs. The tied output head is computed as squash's builders compute it
 (``FlatTiedLinear``: one 2-D matmul) in every row; ``--head torchtune`` keeps torchtune's
@@ -98,7 +100,7 @@ def model_flops(model: nn.Module, batch: int, seq: int, head_dim: int) -> dict:
     for name, m in model.named_modules():
         if isinstance(m, (LoRALinear, SparseLoRALinear)):
             base.append((m.in_dim, m.out_dim))
-            for f in (m.lora_a, m.lora_b):
+            for f in () if m.disabled else (m.lora_a, m.lora_b):  # disabled: no adapter work
                 if isinstance(f, FFILinear):
                     adapters.append((f.in_features, f.out_features, f.fan_in / f.in_features))
                 else:
@@ -157,7 +159,7 @@ def build(args):
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
     from squash.models.opt import lora_opt
-    from squash.modules import flatten_tied_output, swap_lora_linear
+    from squash.modules import flatten_tied_output, swap_lora_linear, use_squash_nf4_
 
     dtype = DTYPES[args.dtype]
     if args.model == "opt350m":
@@ -186,8 +188,10 @@ def build(args):
     torch.manual_seed(0)
     if args.adapter == "squash":
         model = swap_lora_linear(model, sparsity=args.sparsity, sparse_factor=args.sparse_factor)
-    if args.adapter in ("squash", "qlora") and not args.unquantized:
+    if args.adapter in ("squash", "qlora", "squash-qlora") and not args.unquantized:
         quantize_bases(model)
+        if args.adapter == "squash-qlora":
+            use_squash_nf4_(model)
     model.to(args.device)
     set_trainable_params(model, get_adapter_params(model))
     model.set_num_output_chunks(8)
@@ -376,7 +380,8 @@ def table(args, res) -> str:
     from squash.ops.nf4 import backend
 
     nf4_path = {"squash": f"{backend()} (squash.ops.nf4_linear)",
-                "qlora": "torchao (torchtune's LoRALinear: linear_nf4)", "lora": "none"}[args.adapter]
+                "qlora": "torchao (torchtune's LoRALinear: linear_nf4)", "lora": "none",
+                "squash-qlora": f"{backend()} (squash's NF4LoRALinear)"}[args.adapter]
     if args.unquantized:
         nf4_path = "none (--unquantized: dense base weights)"
     adapter = args.adapter if args.adapter != "squash" else (
@@ -418,7 +423,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="default: 30 (SmolLM2), 4 (OPT)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--adapter", choices=["squash", "qlora", "lora"], default="squash")
+    p.add_argument("--adapter", choices=["squash", "qlora", "squash-qlora", "lora"],
+                   default="squash")
     p.add_argument("--rank", type=int, default=16, help="dense LoRA's rank (squash: its bytes)")
     p.add_argument("--head", choices=["flat", "torchtune"], default="flat",
                    help="SmolLM2's tied head: squash's FlatTiedLinear or torchtune's TiedLinear")

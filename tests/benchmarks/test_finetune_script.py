@@ -35,12 +35,13 @@ T, VOCAB = 32, 1024  # tokens a step (1 x 32), vocabulary of the random model
 
 def _step_flops(shapes, other, head_in, heads, head_dim, rank, factor):
     """Matmul FLOPs of one step by hand: frozen linears forward + input gradient (2 products),
-    adapter factors forward + input + weight gradient (3) at their fan-in, the output head (2),
-    attention (Q K^T and P V forward, four products backward)."""
+    adapter factors forward + input + weight gradient (3) at their fan-in (none when ``factor``
+    is ``"off"``), the output head (2), attention (Q K^T and P V forward, four products
+    backward)."""
     k = lambda n: max(1, round(0.1 * n))  # fan-in at 90% sparsity
     total = sum(4 * T * i * o for i, o in shapes + other) + 4 * T * head_in * VOCAB
     total += 12 * T * T * heads * head_dim
-    for i, o in shapes:
+    for i, o in shapes if factor != "off" else []:
         a_in = k(i) if factor in ("a", "both") else i
         b_in = k(rank) if factor == "both" else rank
         total += 6 * T * rank * a_in + 6 * T * o * b_in
@@ -67,9 +68,11 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
     assert lora_adapter_memory(shapes, r_both + 1, sparsity=0.9, sparse_factor="both",
                                dtype=torch.float32).total_bytes > budget
     expected = {
-        "torchtune QLoRA r=16": (16, None), "squash r=16, A 90%": (16, "a"),
+        "torchtune QLoRA r=16": (16, None), "squash's QLoRA r=16": (16, None),
+        "squash r=16, A 90%": (16, "a"),
         f"squash r={r_a}, A 90%": (r_a, "a"), f"squash r={r_both}, A+B 90%": (r_both, "both"),
         f"squash r={r_both}, A+B 90%, mask update": (r_both, "both"),
+        f"bound: squash r={r_both}, A+B 90%, adapters off": (r_both, "off"),
         "LoRA r=16, no quantization": (16, None),
     }
     main = [r for r in rows if not r[0].strip().startswith("...")]
@@ -78,8 +81,9 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
     base_peak, base_step = float(main[0][4]), float(main[0][6].split()[0])
     for row in main:
         rank, factor = expected[row[0].strip()]
-        mem = lora_adapter_memory(shapes, rank, sparsity=0.9 if factor else None,
-                                  sparse_factor=factor or "a", dtype=torch.float32)
+        sparse = {None: None, "off": "both"}.get(factor, factor)  # off: the A+B model's adapters
+        mem = lora_adapter_memory(shapes, rank, sparsity=0.9 if sparse else None,
+                                  sparse_factor=sparse or "a", dtype=torch.float32)
         assert int(row[1].replace(",", "")) == mem.trainable_params
         assert float(row[2]) == pytest.approx(mem.total_bytes / 1024**2, abs=0.05)
         # the ratio of the unrounded byte counts (known exactly here), to the printed 2 decimals
@@ -116,16 +120,25 @@ def test_recipe_rows_from_the_logs(tmp_path):
     assert [float(v["tokens_per_second_per_gpu"]) for v in steps] == [300.0, 340.0, 320.0]
     mib = 1024**2
     runs = {
-        "lora_finetune_single_device": [{"tokens_per_s": 400.0, "peak": 100 * mib},
-                                        {"tokens_per_s": 300.0, "peak": 120 * mib},
-                                        {"tokens_per_s": 350.0, "peak": 110 * mib}],
-        "squash_finetune": [{"tokens_per_s": 440.0, "peak": 90 * mib},
-                            {"tokens_per_s": 270.0, "peak": 95 * mib},
-                            {"tokens_per_s": 420.0, "peak": 99 * mib}],
+        ("torchtune QLoRA", "lora_finetune_single_device"): [
+            {"tokens_per_s": 400.0, "peak": 100 * mib}, {"tokens_per_s": 300.0, "peak": 120 * mib},
+            {"tokens_per_s": 350.0, "peak": 110 * mib}],
+        ("squash's QLoRA", "squash_finetune"): [
+            {"tokens_per_s": 480.0, "peak": 80 * mib}, {"tokens_per_s": 330.0, "peak": 85 * mib},
+            {"tokens_per_s": 385.0, "peak": 81 * mib}],
+        ("squash, A+B", "squash_finetune"): [
+            {"tokens_per_s": 440.0, "peak": 90 * mib}, {"tokens_per_s": 270.0, "peak": 95 * mib},
+            {"tokens_per_s": 420.0, "peak": 99 * mib}],
     }  # fmt: skip
-    torchtune, squash_row = ft.recipe_lines(runs)
-    # median [min-max] over the rounds, the largest peak, squash / torchtune per round by hand
+    torchtune, dense_row, squash_row = ft.recipe_lines(runs)
+    # median [min-max] over the rounds, the largest peak, each / torchtune per round by hand
+    assert torchtune.startswith("| `tune run lora_finetune_single_device` (torchtune QLoRA) |")
     assert "| 120 (whole process) |" in torchtune and "350 [300-400] (its log)" in torchtune
+    assert "of torchtune's" not in torchtune
+    assert dense_row.startswith("| `tune run squash_finetune` (squash's QLoRA) |")
+    assert "| 85 (whole process) |" in dense_row and "385 [330-480] (its log)" in dense_row
+    assert "(1.20, 1.10, 1.10 of torchtune's, per round)" in dense_row
+    assert squash_row.startswith("| `tune run squash_finetune` (squash, A+B) |")
     assert "| 99 (whole process) |" in squash_row and "420 [270-440] (its log)" in squash_row
     assert "(1.10, 0.90, 1.20 of torchtune's, per round)" in squash_row
 

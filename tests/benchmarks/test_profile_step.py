@@ -56,7 +56,7 @@ def test_squash_adapter_density_counts_in_flops():
 
 @pytest.mark.parametrize(
     "adapter, extra, nf4",
-    [("lora", [], False), ("squash", [], True), ("qlora", [], True),
+    [("lora", [], False), ("squash", [], True), ("qlora", [], True), ("squash-qlora", [], True),
      ("squash", ["--unquantized", "--head", "torchtune"], False)],
 )  # fmt: skip
 def test_profiled_step_puts_nf4_time_where_it_is(adapter, extra, nf4):
@@ -65,8 +65,9 @@ def test_profiled_step_puts_nf4_time_where_it_is(adapter, extra, nf4):
                                     "--warmup", "0", *extra])  # fmt: skip
     res = profile_step.profile(args)
     assert (res["ms"]["NF4 dequantize"] > 0) == nf4
-    if adapter == "squash" and nf4:  # squash's kernel; torchtune's QLoRA: torchao's operators
+    if adapter in ("squash", "squash-qlora") and nf4:  # squash's kernel; torchtune's: torchao's
         assert "squash::nf4_dequantize" in res["top"]["NF4 dequantize"]
+        assert "aten::index" not in res["top"]["NF4 dequantize"]
     if adapter == "qlora":
         assert "aten::index" in res["top"]["NF4 dequantize"]
         assert not set(res["top"]["NF4 dequantize"]) & profile_step.MATMUL_OPS
