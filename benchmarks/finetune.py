@@ -363,7 +363,7 @@ def time_rows(args, ckpt_dir: Path) -> list:
     rate = dense_rate(args.batch * args.seq_len, args.model["embed_dim"], DTYPES[args.dtype],
                       args.device)  # fmt: skip
     tokens = make_batch(args)
-    times = [[] for _ in built]
+    rounds = [[] for _ in built]  # step seconds of each timed round; None: a mask-update step
     update_times = [[] for _ in built]
     for round_ in range(args.steps + 1):  # round 0 warms up
         for i, (label, model, optimizer, mask, _) in enumerate(built):
@@ -373,11 +373,15 @@ def time_rows(args, ckpt_dir: Path) -> list:
             train_step(model, optimizer, tokens, mask_update_drop=drop)
             _sync(args.device)
             if round_ > 0:
-                (update_times if drop is not None else times)[i].append(time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                rounds[i].append(None if drop is not None else seconds)
+                if drop is not None:
+                    update_times[i].append(seconds)
         print(f"  timing round {round_}/{args.steps} done", flush=True)
+    times = [[s for s in r if s is not None] for r in rounds]
     return [
         dict(label=label, memory=mem, step_s=statistics.median(times[i]),
-             step_spread=(min(times[i]), max(times[i])), floor_s=flops[i] / rate,
+             step_spread=(min(times[i]), max(times[i])), rounds=rounds[i], floor_s=flops[i] / rate,
              flops=flops[i], rate=rate,
              update_s=statistics.median(update_times[i]) if update_times[i] else None)
         for i, (label, _, _, _, mem) in enumerate(built)
@@ -564,7 +568,19 @@ def table(args, timed, peaks, recipes) -> str:
                 f"{tokens / t['update_s']:.0f} | | |"
             )
     lines += recipe_lines(recipes)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *round_lines(timed)]) + "\n"
+
+
+def round_lines(timed) -> list:
+    """Each row's step over the first row's in the same round (the rounds interleave the rows,
+    so a slow spell of the host hits a round's rows alike); a mask-update step (None) is left
+    out, as in the row's step column."""
+    base = timed[0]["rounds"]
+    lines = [f"Step over the first row's ({timed[0]['label']}), round by round:", ""]
+    for t in timed[1:]:
+        per = ", ".join(f"{s / b:.2f}" for s, b in zip(t["rounds"], base) if s is not None)
+        lines.append(f"- {t['label']}: {per}")
+    return lines
 
 
 def _shapes_line(args) -> str:

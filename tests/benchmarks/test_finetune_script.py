@@ -103,6 +103,24 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
         assert lo * 0.999 - 0.005 <= float(row[10]) <= hi * 1.001 + 0.005
     update = [r for r in rows if r[0].strip().startswith("...")]
     assert len(update) == 1 and float(update[0][4]) > 0
+    # round by round (the arithmetic is checked by hand in test_round_lines_by_hand): a line a
+    # row after the first, a ratio a timed round
+    per_round = dict(re.findall(r"^- (.+): ([\d., ]+)$", text, flags=re.M))
+    assert list(per_round) == list(expected)[1:]
+    # the mask row's update step (round 2 of 3, --mask-every 2) is not among its ratios
+    mask = f"squash r={r_both}, A+B 90%, mask update"
+    assert all(len(v.split(", ")) == (2 if k == mask else 3) for k, v in per_round.items())
+
+
+def test_round_lines_by_hand():
+    timed = [{"label": "base", "rounds": [2.0, 4.0, 3.0]},
+             {"label": "fast", "rounds": [1.0, 3.0, 2.7]},
+             {"label": "slow", "rounds": [2.5, 4.0, 3.3]},
+             {"label": "mask", "rounds": [3.0, None, 6.0]}]  # round 2: a mask-update step
+    assert ft.round_lines(timed) == [
+        "Step over the first row's (base), round by round:", "",
+        "- fast: 0.50, 0.75, 0.90", "- slow: 1.25, 1.00, 1.10", "- mask: 1.50, 2.00",
+    ]  # fmt: skip
 
 
 def _disk_log(log_dir, tokens_per_s):
