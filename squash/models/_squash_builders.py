@@ -2,8 +2,9 @@
 
 torchtune's component builders cannot take an adapter class, so each of these builds torchtune's
 (Q)LoRA model and swaps every ``LoRALinear`` for a :class:`~squash.modules.SparseLoRALinear`
-with the same rank, alpha, dropout and base (:func:`~squash.modules.swap_lora_linear`); an NF4 projection left without an adapter is computed
-with squash's NF4 kernel (:func:`~squash.modules.use_squash_nf4_`).
+with the same rank, alpha, dropout and base (:func:`~squash.modules.swap_lora_linear`); an NF4
+projection left without an adapter is computed with squash's NF4 kernel
+(:func:`~squash.modules.use_squash_nf4_`).
 ``quantize_base=True`` by default, as in torchtune's ``qlora_*`` builders. ``init="svd"`` factors
 each base the model holds when built; after loading a checkpoint, call
 :func:`~squash.modules.svd_initialize` with its unquantized weights.

@@ -171,7 +171,9 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: naming the module whose shape no block size divides, or a biased linear.
     """
-    from squash.modules.nf4_lora import NF4LoRALinear, NF4Linear, is_plain_lora
+    from torchtune.modules.low_precision import FrozenNF4Linear
+
+    from squash.modules.nf4_lora import is_plain_lora, use_squash_nf4_
 
     for layer_name, layer in model.layers.named_modules(prefix="layers"):
         if hasattr(layer, "adapter_params"):  # an adapter's factors stay as they are
@@ -184,12 +186,11 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
                         quantize_nf4(child.weight.detach(), name), requires_grad=False
                     )
                     child._quantize_base = True
-                child.__class__ = NF4LoRALinear  # see use_squash_nf4_
             elif type(child) is torch.nn.Linear:
                 if child.bias is not None:
                     raise ValueError(f"{name}: FrozenNF4Linear takes no bias")
                 block, scaler = nf4_block_sizes(name, tuple(child.weight.shape))
-                frozen = NF4Linear(
+                frozen = FrozenNF4Linear(
                     child.in_features,
                     child.out_features,
                     bias=False,
@@ -200,4 +201,4 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
                 )
                 frozen.weight.copy_(child.weight)  # torchao re-quantizes with the same sizes
                 setattr(layer, child_name, frozen)
-    return model
+    return use_squash_nf4_(model)

@@ -6,8 +6,8 @@ receive their linear layers; these builders decide whether each one is an ``nn.L
 adapter, and which adapter class: :class:`~torchtune.modules.peft.LoRALinear` (with an NF4
 base, ``quantize_base``, squash's :class:`~squash.modules.NF4LoRALinear`: the same module computed
 with squash's NF4 kernel), or squash's :class:`~squash.modules.SparseLoRALinear` when a
-``sparsity`` is given (as torchtune picks ``DoRALinear`` or ``LoRALinear``). A model is built once, in its
-final shape.
+``sparsity`` is given (as torchtune picks ``DoRALinear`` or ``LoRALinear``). A model is built
+once, in its final shape.
 
 Weights are initialised as transformers initialises OPT (``OPTPreTrainedModel._init_weights``):
 every linear weight and embedding from ``N(0, init_std)`` (``init_std`` is 0.02 in every OPT
