@@ -34,7 +34,9 @@ growth candidates and updates the masks. Then the real recipes run on
 the same model for a few steps (``tune run lora_finetune_single_device`` with torchao's NF4
 (``SQUASH_NF4=torchao``), ``tune run squash_finetune`` with squash's QLoRA and with squash A+B,
 one after the other in each of ``--recipe-rounds`` rounds) and their logged tokens/s (median and
-range over the rounds, and each over torchtune's in each round) and peak memory are added, so the script's numbers can be tied to what the recipes do. The table is printed and written to ``benchmarks/results/``.
+range over the rounds, and each over torchtune's in each round) and peak memory are added, so
+the script's numbers can be tied to what the recipes do. Below the table, each row's step over
+the first row's, round by round. The table is printed and written to ``benchmarks/results/``.
 
     python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
     python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
