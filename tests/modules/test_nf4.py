@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torchtune.models.llama3_2._component_builders import lora_llama3_2
+
 from squash.modules import NF4Linear, NF4LoRALinear, SparseLoRALinear
 from squash.modules._nf4 import (
     NF4Tensor,
