@@ -7,7 +7,8 @@ for bit (the kernel's dequantization equals torchao's exactly, and the products 
 same, in the same order); only the time differs: on the CPU torchao dequantizes in many small
 tensor operations, about a tenth of a SmolLM2 QLoRA step on 2 cores. They keep their parents'
 parameters, state-dict keys and adapter interface, so torchtune's recipes, checkpointers and
-utilities take them as their parents. ``SQUASH_NF4=torchao`` switches back to torchao's ``linear_nf4``.
+utilities take them as their parents. ``SQUASH_NF4=torchao`` switches back to torchao's
+``linear_nf4``.
 
 :func:`use_squash_nf4_` turns the torchtune modules of a built model into these, in place.
 """

@@ -13,6 +13,7 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 from torch import nn
+
 from squash.modules import SparseLoRALinear, get_adapter_modules, is_plain_lora
 from squash.modules.ffi_linear import kaiming_uniform_
 
