@@ -32,6 +32,10 @@ frozen linear, forward and both gradients of the adapters at their density, the 
 products, the head) over this device's dense matmul rate, measured here on a
 ``(tokens, hidden) x (hidden, 4 hidden)`` product.
 
+Below the table: each timed step's wall time, minor page faults and system CPU time (the
+process's ``getrusage`` counters): the memory a step takes from the kernel again after freeing
+it, and what that cost. A host where a fault turns expensive shows it there.
+
     python benchmarks/profile_step.py --model smollm2 --batch 4 --seq-len 256
     python benchmarks/profile_step.py --model opt350m --layers 4 --seq-len 512
     python benchmarks/profile_step.py --device cuda --dtype bf16
@@ -39,6 +43,7 @@ products, the head) over this device's dense matmul rate, measured here on a
 
 import argparse
 import contextlib
+import resource
 import sys
 import time
 from pathlib import Path
@@ -346,6 +351,12 @@ def classify(events, device: str) -> tuple:
     return ms, top
 
 
+def host_counters() -> tuple:
+    """``(minor page faults, system CPU seconds)`` of this process so far (``getrusage``)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt, ru.ru_stime
+
+
 def profile(args) -> dict:
     model, head_dim, rank = build(args)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -354,11 +365,13 @@ def profile(args) -> dict:
     tokens = torch.randint(3, vocab, (args.batch, args.seq_len), generator=g).to(args.device)
     for _ in range(args.warmup):
         train_step(model, optimizer, tokens, args.device)
-    walls = []
+    walls, host = [], []
     for _ in range(args.steps):
+        before = host_counters()
         t0 = time.perf_counter()
         train_step(model, optimizer, tokens, args.device)
         walls.append(time.perf_counter() - t0)
+        host.append(tuple(b - a for a, b in zip(before, host_counters())))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -368,7 +381,8 @@ def profile(args) -> dict:
     flops = model_flops(model, args.batch, args.seq_len, head_dim)
     hidden = model.tok_embeddings.embedding_dim
     rate = dense_rate(args.batch * args.seq_len, hidden, DTYPES[args.dtype], args.device)
-    return dict(ms=ms, top=top, step_s=min(walls), flops=flops, rate=rate, rank=rank)
+    return dict(ms=ms, top=top, step_s=min(walls), walls=walls, host=host, flops=flops, rate=rate,
+                rank=rank)
 
 
 def table(args, res) -> str:
@@ -408,6 +422,8 @@ def table(args, res) -> str:
         f"step without profiler (fastest of {args.steps}): {res['step_s'] * 1e3:.1f} ms",
         f"dense matmul rate here: {res['rate'] / 1e9:.0f} GFLOP/s; matmul floor "
         f"{floor * 1e3:.1f} ms; step / floor = {res['step_s'] / floor:.2f}",
+        "timed steps (wall s, minor page faults, system CPU s): "
+        + "; ".join(f"{w:.2f}, {f}, {s:.2f}" for w, (f, s) in zip(res["walls"], res["host"])),
     ]
     if args.top:
         lines.append("")

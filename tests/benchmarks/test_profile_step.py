@@ -76,6 +76,23 @@ def test_profiled_step_puts_nf4_time_where_it_is(adapter, extra, nf4):
     assert "squash::ffi_linear" in res["top"]["adapter ops"] or adapter != "squash"
     # every backward FFI op is attributed to the adapters, none left unattributed
     assert not any(n.startswith("squash::") for n in res["top"].get("other", {}))
+    (wall,), ((faults, system),) = res["walls"], res["host"]
+    assert res["step_s"] == wall and faults >= 0 and system >= 0
+    assert f"(wall s, minor page faults, system CPU s): {wall:.2f}, {faults}, {system:.2f}\n" in (
+        profile_step.table(args, res)
+    )
+
+
+def test_host_counters_count_the_pages_of_a_fresh_block():
+    """A 64 MiB tensor (above glibc's largest automatic mmap threshold, 32 MiB, so it is mapped
+    afresh) written once faults in at least one page per 2 MiB (one per 4 KiB without huge
+    pages); nothing else is allocated in between."""
+    faults0, system0 = profile_step.host_counters()
+    x = torch.empty(16 << 20)
+    x.fill_(1.0)
+    faults1, system1 = profile_step.host_counters()
+    assert faults1 - faults0 >= (64 << 20) // (2 << 20)
+    assert system1 >= system0
 
 
 def test_unquantized_and_head_options_build_what_they_say():
