@@ -36,7 +36,9 @@ the same model for a few steps (``tune run lora_finetune_single_device`` with to
 one after the other in each of ``--recipe-rounds`` rounds) and their logged tokens/s (median and
 range over the rounds, and each over torchtune's in each round) and peak memory are added, so
 the script's numbers can be tied to what the recipes do. Below the table, each row's step over
-the first row's, round by round. The table is printed and written to ``benchmarks/results/``.
+the first row's, round by round, and each timed step's system CPU time and minor page faults
+(a step that the kernel slowed shows there). The table is printed and written to
+``benchmarks/results/``.
 
     python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
     python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffi_kernels import machine_line  # noqa: E402
-from profile_step import dense_rate, model_flops  # noqa: E402
+from profile_step import dense_rate, host_counters, model_flops  # noqa: E402
 
 from squash.models.smollm2._model_builders import SMOLLM2_135M  # noqa: E402
 
@@ -367,15 +369,18 @@ def time_rows(args, ckpt_dir: Path) -> list:
     tokens = make_batch(args)
     rounds = [[] for _ in built]  # step seconds of each timed round; None: a mask-update step
     update_times = [[] for _ in built]
+    host = [[] for _ in built]  # (minor page faults, system CPU s) of each timed round's step
     for round_ in range(args.steps + 1):  # round 0 warms up
         for i, (label, model, optimizer, mask, _) in enumerate(built):
             drop = 0.3 if mask and round_ > 0 and round_ % args.mask_every == 0 else None
             _sync(args.device)
+            before = host_counters()
             t0 = time.perf_counter()
             train_step(model, optimizer, tokens, mask_update_drop=drop)
             _sync(args.device)
             if round_ > 0:
                 seconds = time.perf_counter() - t0
+                host[i].append(tuple(b - a for a, b in zip(before, host_counters())))
                 rounds[i].append(None if drop is not None else seconds)
                 if drop is not None:
                     update_times[i].append(seconds)
@@ -383,7 +388,8 @@ def time_rows(args, ckpt_dir: Path) -> list:
     times = [[s for s in r if s is not None] for r in rounds]
     return [
         dict(label=label, memory=mem, step_s=statistics.median(times[i]),
-             step_spread=(min(times[i]), max(times[i])), rounds=rounds[i], floor_s=flops[i] / rate,
+             step_spread=(min(times[i]), max(times[i])), rounds=rounds[i], host=host[i],
+             floor_s=flops[i] / rate,
              flops=flops[i], rate=rate,
              update_s=statistics.median(update_times[i]) if update_times[i] else None)
         for i, (label, _, _, _, mem) in enumerate(built)
@@ -570,7 +576,7 @@ def table(args, timed, peaks, recipes) -> str:
                 f"{tokens / t['update_s']:.0f} | | |"
             )
     lines += recipe_lines(recipes)
-    return "\n".join(lines + ["", *round_lines(timed)]) + "\n"
+    return "\n".join(lines + ["", *round_lines(timed), "", *host_lines(timed)]) + "\n"
 
 
 def round_lines(timed) -> list:
@@ -581,6 +587,18 @@ def round_lines(timed) -> list:
     lines = [f"Step over the first row's ({timed[0]['label']}), round by round:", ""]
     for t in timed[1:]:
         per = ", ".join(f"{s / b:.2f}" for s, b in zip(t["rounds"], base) if s is not None)
+        lines.append(f"- {t['label']}: {per}")
+    return lines
+
+
+def host_lines(timed) -> list:
+    """Each row's system CPU seconds and minor page faults (thousands), step by step in the order
+    of the rounds (``getrusage`` around the step): a step the kernel slowed, taking memory back
+    or serving other processes, shows there."""
+    lines = ["System CPU s / minor page faults of each row's step, round by round:", ""]
+    for t in timed:
+        per = ", ".join(f"{s:.2f} s / {f / 1000:.0f}k" + (" (mask update)" if r is None else "")
+                        for (f, s), r in zip(t["host"], t["rounds"]))  # fmt: skip
         lines.append(f"- {t['label']}: {per}")
     return lines
 

@@ -110,6 +110,12 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
     # the mask row's update step (round 2 of 3, --mask-every 2) is not among its ratios
     mask = f"squash r={r_both}, A+B 90%, mask update"
     assert all(len(v.split(", ")) == (2 if k == mask else 3) for k, v in per_round.items())
+    # every row's steps, system time and page faults (formatting checked in test_host_lines_by_hand)
+    host = dict(re.findall(r"^- (.+?): ((?:[\d.]+ s / \d+k(?: \(mask update\))?(?:, )?)+)$", text,
+                           flags=re.M))  # fmt: skip
+    assert list(host) == list(expected)
+    assert all(len(v.split(", ")) == 3 for v in host.values())
+    assert host[mask].split(", ")[1].endswith("(mask update)")
 
 
 def test_round_lines_by_hand():
@@ -120,6 +126,15 @@ def test_round_lines_by_hand():
     assert ft.round_lines(timed) == [
         "Step over the first row's (base), round by round:", "",
         "- fast: 0.50, 0.75, 0.90", "- slow: 1.25, 1.00, 1.10", "- mask: 1.50, 2.00",
+    ]  # fmt: skip
+
+
+def test_host_lines_by_hand():
+    timed = [{"label": "base", "rounds": [2.0, 4.0], "host": [(236283, 0.644), (1499, 0.0)]},
+             {"label": "mask", "rounds": [3.0, None], "host": [(500, 1.004), (12000, 0.12)]}]
+    assert ft.host_lines(timed) == [
+        "System CPU s / minor page faults of each row's step, round by round:", "",
+        "- base: 0.64 s / 236k, 0.00 s / 1k", "- mask: 1.00 s / 0k, 0.12 s / 12k (mask update)",
     ]  # fmt: skip
 
 
