@@ -98,3 +98,23 @@ def test_host_counters_count_the_pages_of_a_fresh_block():
     block.close()
     assert faults1 - faults0 >= n // (2 << 20)
     assert system1 >= system0
+
+
+def test_unquantized_and_head_options_build_what_they_say():
+    from torchao.dtypes.nf4tensor import NF4Tensor
+    from torchtune.modules import TiedLinear
+
+    from squash.modules import FlatTiedLinear, SparseLoRALinear
+
+    def built(*extra):
+        args = profile_step.parse_args(["--model", "smollm2", "--layers", "1", *extra])
+        return profile_step.build(args)[0]
+
+    model = built()
+    bases = [m.weight for m in model.modules() if isinstance(m, SparseLoRALinear)]
+    assert len(bases) == 7 and all(isinstance(w, NF4Tensor) for w in bases)
+    assert type(model.output) is FlatTiedLinear
+    model = built("--unquantized", "--head", "torchtune")
+    bases = [m.weight for m in model.modules() if isinstance(m, SparseLoRALinear)]
+    assert len(bases) == 7 and not any(isinstance(w, NF4Tensor) for w in bases)
+    assert type(model.output) is TiedLinear
