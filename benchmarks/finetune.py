@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffi_kernels import machine_line  # noqa: E402
-from profile_step import dense_rate, host_counters, model_flops  # noqa: E402
+from profile_step import dense_rate, host_counters, host_since, model_flops  # noqa: E402
 
 from squash.models.smollm2._model_builders import SMOLLM2_135M  # noqa: E402
 
@@ -380,7 +380,7 @@ def time_rows(args, ckpt_dir: Path) -> list:
             _sync(args.device)
             if round_ > 0:
                 seconds = time.perf_counter() - t0
-                host[i].append(tuple(b - a for a, b in zip(before, host_counters())))
+                host[i].append(host_since(before))
                 rounds[i].append(None if drop is not None else seconds)
                 if drop is not None:
                     update_times[i].append(seconds)

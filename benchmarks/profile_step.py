@@ -357,6 +357,11 @@ def host_counters() -> tuple:
     return ru.ru_minflt, ru.ru_stime
 
 
+def host_since(before: tuple) -> tuple:
+    """The :func:`host_counters` counted since ``before`` (an earlier reading of them)."""
+    return tuple(now - then for then, now in zip(before, host_counters()))
+
+
 def profile(args) -> dict:
     model, head_dim, rank = build(args)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -371,7 +376,7 @@ def profile(args) -> dict:
         t0 = time.perf_counter()
         train_step(model, optimizer, tokens, args.device)
         walls.append(time.perf_counter() - t0)
-        host.append(tuple(b - a for a, b in zip(before, host_counters())))
+        host.append(host_since(before))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
