@@ -15,4 +15,4 @@ from squash.assets import register_resolvers
 
 register_resolvers()
 
-__version__ = "0.3.5"
+__version__ = "0.3.6"
