@@ -32,24 +32,15 @@ them alike.
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ffi_kernels import machine_line  # noqa: E402
+from ffi_kernels import machine_line, make_timer  # noqa: E402
+from profile_step import DTYPES, OPT_350M, SMOLLM2  # noqa: E402
 
-MODELS = {
-    # hidden, KV width, MLP width, layers, linears of a layer as (name, in, out)
-    "smollm2": dict(layers=30, linears=lambda d, kv, f: [
-        ("q", d, d), ("k", d, kv), ("v", d, kv), ("o", d, d),
-        ("gate", d, f), ("up", d, f), ("down", f, d)], dims=(576, 192, 1536)),
-    "opt350m": dict(layers=24, linears=lambda d, kv, f: [
-        ("q", d, d), ("k", d, d), ("v", d, d), ("out", d, d),
-        ("fc1", d, f), ("fc2", f, d)], dims=(1024, 1024, 4096)),
-}  # fmt: skip
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LAYERS = {"smollm2": SMOLLM2["num_layers"], "opt350m": 24}
 PRODUCTS = ("A forward", "B forward", "B grad input", "B grad values", "A grad input",
             "A grad values")
 PASSES = ("scale", "add out", "scale grad", "add grad_x")
@@ -57,7 +48,7 @@ PASSES = ("scale", "add out", "scale grad", "add grad_x")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--model", choices=sorted(LAYERS), default="smollm2")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per step (batch x length)")
     p.add_argument("--rank", type=int, default=16, help="dense LoRA's rank (squash: its bytes)")
     p.add_argument("--sparsity", type=float, default=0.9)
@@ -74,16 +65,21 @@ def parse_args(argv=None):
 
 
 def linears(model: str) -> list:
-    """``[(name, in, out)]`` of one layer's adapted linears."""
-    spec = MODELS[model]
-    return spec["linears"](*spec["dims"])
+    """``[(name, in, out)]`` of one layer's adapted linears, from the model's sizes."""
+    m = SMOLLM2 if model == "smollm2" else OPT_350M
+    d, f = m["embed_dim"], m["intermediate_dim"]
+    if model == "opt350m":
+        return [("q", d, d), ("k", d, d), ("v", d, d), ("out", d, d), ("fc1", d, f), ("fc2", f, d)]
+    kv = m["num_kv_heads"] * d // m["num_heads"]
+    return [("q", d, d), ("k", d, kv), ("v", d, kv), ("o", d, d), ("gate", d, f), ("up", d, f),
+            ("down", f, d)]  # fmt: skip
 
 
 def squash_rank(args) -> int:
     """The squash rank at dense rank ``args.rank``'s adapter state bytes over the whole model."""
     from squash.training import lora_adapter_memory, max_rank_within
 
-    shapes = [(i, o) for _, i, o in linears(args.model)] * MODELS[args.model]["layers"]
+    shapes = [(i, o) for _, i, o in linears(args.model)] * LAYERS[args.model]
     dtype = DTYPES[args.dtype]
     budget = lora_adapter_memory(shapes, args.rank, dtype=dtype).total_bytes
     return max_rank_within(budget, shapes, sparsity=args.sparsity,
@@ -158,11 +154,6 @@ def adapter_ops(module, x, grad_out, base_out, base_grad_x, timer=None) -> dict:
     return dict(out=out, grad_x=grad_x, grad_a=grad_a, grad_b=grad_b)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def module_step(module, x, grad_out) -> None:
     """Forward and backward of ``module`` (its parameters' and ``x``'s gradients dropped)."""
     module(x).backward(grad_out)
@@ -173,15 +164,15 @@ def module_step(module, x, grad_out) -> None:
 
 def base_parts(module, x, grad_out) -> tuple:
     """The base path's output and input gradient, as the module computes them."""
+    from squash.modules.sparse_lora import _dequantize
+
     with torch.no_grad():
         disabled, module.disabled = module.disabled, True
         try:
             out = module(x)
         finally:
             module.disabled = disabled
-        w = module.weight.get_original_weight() if hasattr(module.weight, "quantized_data") \
-            else module.weight  # fmt: skip
-        return out, grad_out @ w.to(grad_out.dtype)
+        return out, grad_out @ _dequantize(module.weight).to(grad_out.dtype)
 
 
 def measure(args, rank: int) -> list:
@@ -199,12 +190,7 @@ def measure(args, rank: int) -> list:
                           t={k: [] for k in ("squash on", "squash off", "dense on", "dense off",
                                              *PRODUCTS, *PASSES)}))  # fmt: skip
 
-    def timed(fn) -> float:
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        return (time.perf_counter() - t0) * 1e3
+    timed = make_timer(dev)
 
     def step(mod, disabled, c):
         def run():
@@ -224,17 +210,13 @@ def measure(args, rank: int) -> list:
                     ms = timed(fn)
                     if round_:
                         c["t"][label].append(ms)
-            c["sq"].disabled = False
             for _ in range(args.reps):
                 ops = {}
 
                 def op_timer(name, fn, ops=ops):
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    r = fn()
-                    _sync(dev)
-                    ops[name] = (time.perf_counter() - t0) * 1e3
-                    return r
+                    result = []
+                    ops[name] = timed(lambda: result.append(fn()))
+                    return result[0]
 
                 with torch.no_grad():
                     adapter_ops(c["sq"], c["x"].detach(), c["g"], *c["base"], timer=op_timer)
@@ -257,7 +239,7 @@ def split(ms: dict) -> dict:
 
 
 def table(args, rank: int, results: list) -> str:
-    layers = MODELS[args.model]["layers"]
+    layers = LAYERS[args.model]
     fmt = lambda v: f"{v:.2f}"  # noqa: E731
     lines = [
         f"# Adapter cost by linear: {args.model} shapes, {args.tokens} tokens, squash "
