@@ -7,6 +7,12 @@ from squash.datasets.pydoc_text import (
     pydoc_text_dataset,
     pydoc_topics,
 )
+from squash.datasets.python_docs import (
+    PythonDocsDataset,
+    python_doc_items,
+    python_doc_splits,
+    python_docs_dataset,
+)
 from squash.datasets.unicode_names import (
     UnicodeNamesDataset,
     characters,
@@ -17,12 +23,16 @@ from squash.datasets.unicode_names import (
 
 __all__ = [
     "PydocTextDataset",
+    "PythonDocsDataset",
     "UnicodeNamesDataset",
     "characters",
     "pydoc_documents",
     "pydoc_text",
     "pydoc_text_dataset",
     "pydoc_topics",
+    "python_doc_items",
+    "python_doc_splits",
+    "python_docs_dataset",
     "unicode_name_messages",
     "unicode_name_pairs",
     "unicode_names_dataset",
