@@ -342,7 +342,7 @@ def recipe_config(task: str, arm: dict, lr: float, seed: int, frac: float, run_d
     if arm.get("mask_update"):
         cfg["mask_update"] = dict(arm["mask_update"])
     if arm.get("lora_plus_ratio"):
-        cfg["optimizer"]["lora_plus_ratio"] = arm["lora_plus_ratio"]
+        cfg["lora_plus_lr_ratio"] = arm["lora_plus_ratio"]
     return cfg
 
 

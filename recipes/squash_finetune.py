@@ -157,7 +157,12 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         del base_state_dict
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._optimizer = config.instantiate(
+            cfg.optimizer,
+            steps.optimizer_params(
+                self._model, cfg.get("lora_plus_lr_ratio", None), cfg.optimizer.get("lr", None)
+            ),
+        )
         if recipe_state is not None:
             self._optimizer.load_state_dict(recipe_state["optimizer"])
             resume_config.check_optimizer_state(self._model, self._optimizer, resume_dir)

@@ -168,7 +168,12 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         del base_state_dict
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._optimizer = config.instantiate(
+            cfg.optimizer,
+            steps.optimizer_params(
+                self._model, cfg.get("lora_plus_lr_ratio", None), cfg.optimizer.get("lr", None)
+            ),
+        )
         if recipe_state is not None:
             training.load_from_full_optimizer_state_dict(
                 self._model, self._optimizer, recipe_state["optimizer"], self._device

@@ -23,7 +23,7 @@ FINETUNE_CONFIG_KEYS = frozenset({
     "dtype", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
     "log_every_n_steps", "log_peak_memory_stats", "profiler", "resume_from_checkpoint",
     "save_adapter_weights_only", "save_every_n_steps", "keep_last_n", "mask_update",
-    "low_cpu_ram", "cudnn_deterministic_mode", "resume_allow_config_change",
+    "low_cpu_ram", "cudnn_deterministic_mode", "resume_allow_config_change", "lora_plus_lr_ratio",
 })  # fmt: skip
 MASK_UPDATE_KEYS = frozenset({"every_n_steps", "drop_fraction", "until_step"})
 

@@ -14,6 +14,41 @@ from squash.training.mask_schedule import MaskUpdateSchedule
 from squash.training.mask_update import record_dense_grads, record_grow_candidates, update_masks
 
 
+def optimizer_params(model: nn.Module, lora_plus_lr_ratio: Optional[float], lr: Any) -> Any:
+    """What the recipe hands its optimizer: ``model.parameters()``, or with
+    ``lora_plus_lr_ratio`` (LoRA+, Hayou et al. 2024; PEFT's ``loraplus_lr_ratio``) two groups,
+    the ``lora_b`` factors (dense or FFI) at ``lr * lora_plus_lr_ratio`` and every other
+    trainable tensor at ``lr``.
+
+    Args:
+        model (nn.Module): the adapted model.
+        lora_plus_lr_ratio (Optional[float]): B's lr over A's (None: one group).
+        lr (Any): the optimizer's ``lr``.
+
+    Raises:
+        ConfigKeyError: a ratio that is not a positive number, a missing ``optimizer.lr``, or a
+            model with no ``lora_b`` parameter.
+    """
+    from squash.training.config_checks import ConfigKeyError
+
+    if lora_plus_lr_ratio is None:
+        return model.parameters()
+    if isinstance(lora_plus_lr_ratio, bool) or not isinstance(lora_plus_lr_ratio, (int, float)) \
+            or not 0 < lora_plus_lr_ratio < float("inf"):  # fmt: skip
+        raise ConfigKeyError(
+            f"lora_plus_lr_ratio must be a positive number, got {lora_plus_lr_ratio!r}"
+        )
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise ConfigKeyError(f"lora_plus_lr_ratio needs a number in optimizer.lr, got {lr!r}")
+    b, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (b if ".lora_b." in f".{name}" else rest).append(p)
+    if not b:
+        raise ConfigKeyError("lora_plus_lr_ratio is set but the model has no lora_b parameter")
+    return [{"params": rest}, {"params": b, "lr": float(lr) * float(lora_plus_lr_ratio)}]
+
+
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -17,12 +17,22 @@ FOUR = ["epochs=1", "max_steps_per_epoch=4"]
         (["enable_activation_checkpointing=True"], {}),
         (["batch_size=2", "gradient_accumulation_steps=2"], {}),  # the same 4 samples a step
         (["compile=True"], {"TORCH_COMPILE_BACKEND": "aot_eager"}),  # traces the FFI ops
+        (["lora_plus_lr_ratio=1.0"], {}),  # LoRA+ at ratio 1: two groups at one lr
     ],
-    ids=["activation_checkpointing", "gradient_accumulation", "compile"],
+    ids=["activation_checkpointing", "gradient_accumulation", "compile", "lora_plus_ratio_1"],
 )
 def test_feature_gives_the_losses_of_the_plain_run(run, tmp_path, overrides, env):
     run(tmp_path, *FOUR, *overrides, env=env)
     assert logged(tmp_path) == pytest.approx(PINNED, rel=2e-6)
+
+
+def test_lora_plus_ratio_reaches_the_optimizer(run, tmp_path):
+    """At ratio 16 the first step (before any update) is the plain run's and the later ones are
+    not: the key reaches the optimizer (the groups' arithmetic: tests/training/test_lora_plus.py)."""
+    run(tmp_path, *FOUR, "lora_plus_lr_ratio=16")
+    losses = logged(tmp_path)
+    assert losses[1] == pytest.approx(PINNED[1], rel=2e-6)
+    assert all(abs(losses[s] - PINNED[s]) > 1e-4 for s in (3, 4))
 
 
 def test_packed_text_completion_data_first_step_equals_a_hand_computation(run, tmp_path):
