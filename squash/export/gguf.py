@@ -32,6 +32,8 @@ import torch
 from safetensors import safe_open
 
 import gguf
+from gguf.metadata import Metadata
+from squash.export.gguf_general import add_general, model_metadata
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +134,6 @@ def _hparams(config: Mapping[str, Any]) -> Dict[str, Any]:
         "rms_eps": float(config["rms_norm_eps"]),
         "tied": bool(config.get("tie_word_embeddings", False)),
         "rope": rope,
-        "name": str(config.get("_name_or_path") or config.get("_model_name_or_path") or ""),
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3") or (rope_type == "llama3" and arch != "LlamaForCausalLM"):
@@ -249,13 +250,21 @@ def _gguf_tensors(
 
 # ---- tokenizer ----------------------------------------------------------------------------------
 def _pre_tokenizer_name(pre: Optional[Mapping[str, Any]], source: Path) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for a ``tokenizer.json`` pre-tokenizer."""
+    """llama.cpp's ``tokenizer.ggml.pre`` for a ``tokenizer.json`` pre-tokenizer: the name under
+    which ``llama-vocab.cpp`` splits text as that pre-tokenizer does (``gpt-2``: GPT-2's regex;
+    ``smollm``: each digit alone, then GPT-2's; ``llama-bpe``: Llama 3's; ``qwen2``: Qwen 2's),
+    the name ``convert_hf_to_gguf.py`` writes for such a tokenizer."""
     def same(step: Mapping[str, Any], ref: Mapping[str, Any]) -> bool:
         return all(step.get(k) == v for k, v in ref.items())
 
     steps = [] if pre is None else list(pre.get("pretokenizers", [pre]))
+    if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
+        raise UnsupportedModelError(
+            f"The pre-tokenizer in {source} adds a space before the text (ByteLevel "
+            "add_prefix_space: true), which llama.cpp's byte-level BPE does not do"
+        )
     if len(steps) == 1 and same(steps[0], _BYTE_LEVEL):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name; "gpt2" is refused ("unknown pre-tokenizer type")
     if (
         len(steps) == 2 and same(steps[0], {"type": "Digits", "individual_digits": True})
         and same(steps[1], _BYTE_LEVEL)
@@ -279,12 +288,16 @@ def _token_id(token: Any, vocab: Mapping[str, int]) -> Optional[int]:
     return vocab.get(token) if isinstance(token, str) else None
 
 
-def tokenizer_metadata(checkpoint_dir: Path, vocab_size: int) -> Dict[str, Any]:
+def tokenizer_metadata(
+    checkpoint_dir: Path, vocab_size: int, config: Optional[Mapping[str, Any]] = None
+) -> Dict[str, Any]:
     """The ``tokenizer.*`` metadata of the GGUF file from ``tokenizer.json``,
     ``tokenizer_config.json`` and the chat template of ``checkpoint_dir``.
 
     Returns a dict with ``pre``, ``tokens``, ``token_types``, ``merges``, ``special`` (name -> id
-    for bos/eos/unk/pad), ``add_bos`` and ``chat_template`` (or None).
+    for bos/eos/unk/pad: ``tokenizer_config.json``'s ``<name>_token``, else ``config``'s
+    ``<name>_token_id``, as ``convert_hf_to_gguf.py`` reads them), ``add_bos`` and
+    ``chat_template`` (or None).
 
     Raises:
         FileNotFoundError: without ``tokenizer.json``.
@@ -322,6 +335,9 @@ def tokenizer_metadata(checkpoint_dir: Path, vocab_size: int) -> Dict[str, Any]:
     special = {}
     for name in ("bos", "eos", "unk", "pad"):
         i = _token_id(tok_config.get(f"{name}_token"), vocab)
+        if i is None and config is not None:
+            i = config.get(f"{name}_token_id")
+            i = i if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size else None
         if i is not None:
             special[name] = i
     add_bos = tok_config.get("add_bos_token")
@@ -340,8 +356,6 @@ def tokenizer_metadata(checkpoint_dir: Path, vocab_size: int) -> Dict[str, Any]:
 
 # ---- writing ------------------------------------------------------------------------------------
 def _write_metadata(writer: gguf.GGUFWriter, hp: Mapping[str, Any], tok: Mapping[str, Any], dtype: str) -> None:
-    if hp["name"]:
-        writer.add_name(hp["name"])
     writer.add_context_length(hp["context"])
     writer.add_embedding_length(hp["hidden"])
     writer.add_block_count(hp["layers"])
@@ -364,21 +378,22 @@ def _write_metadata(writer: gguf.GGUFWriter, hp: Mapping[str, Any], tok: Mapping
     writer.add_token_merges(tok["merges"])
     for name, i in tok["special"].items():
         getattr(writer, {"unk": "add_unk_token_id"}.get(name, f"add_{name}_token_id"))(i)
+    # byte-level BPE: no space before the text (a tokenizer that adds one is refused above)
+    writer.add_add_space_prefix(False)
     writer.add_add_bos_token(tok["add_bos"])
     if tok["chat_template"]:
         writer.add_chat_template(tok["chat_template"])
 
 
 def export_gguf(checkpoint_dir: Path, dtype: str, output: Path) -> Path:
-    """Write the merged weights of ``checkpoint_dir`` as one GGUF file ``output``.
+    """Write the merged weights of the Hugging Face checkpoint ``checkpoint_dir`` as one GGUF
+    file ``output`` (its ``general.*`` keys from the directory: :func:`model_metadata`).
 
     Args:
         checkpoint_dir (Path): a Hugging Face checkpoint directory (``config.json``,
             ``model*.safetensors``, ``tokenizer.json``; squash's ``epoch_N``/``step_N``).
-        dtype (str): ``"f16"`` or ``"q8_0"`` for the 2-D weights (norms and biases stay F32;
-            a weight whose rows are not a multiple of 32 stays F16 under Q8_0).
-        output (Path): the file to write; its directory must exist. Written to a temporary file
-            in the same directory, then renamed.
+        dtype (str): ``"f16"`` or ``"q8_0"`` (see :func:`write_gguf`).
+        output (Path): the file to write; its directory must exist.
 
     Returns:
         Path: ``output``.
@@ -388,26 +403,71 @@ def export_gguf(checkpoint_dir: Path, dtype: str, output: Path) -> Path:
         UnsupportedModelError: a family, rotary scaling or tokenizer GGUF cannot carry.
         ValueError: weights that do not match ``config.json``, or an unknown ``dtype``.
     """
-    if dtype not in GGUF_DTYPES:
-        raise ValueError(f"GGUF dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
-    checkpoint_dir, output = Path(checkpoint_dir), Path(output)
+    checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+    _check_dtype(dtype)
+    config = _read_json(checkpoint_dir / "config.json")
+    _hparams(config)  # an unsupported family fails before the weights are read
+    _, weights = load_merged_checkpoint(checkpoint_dir)
+    meta = model_metadata(checkpoint_dir)
+    source = f"the Hugging Face checkpoint {checkpoint_dir.name}"
+    return write_gguf(config, weights, checkpoint_dir, dtype, output, meta, source)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
+
+
+def write_gguf(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    tokenizer_dir: Path,
+    dtype: str,
+    output: Path,
+    meta: Metadata,
+    source: str,
+) -> Path:
+    """Write a model given as Hugging Face ``config.json`` and weights as one GGUF file.
+
+    Args:
+        config (Mapping[str, Any]): the model's ``config.json``.
+        weights (Mapping[str, torch.Tensor]): its weights with Hugging Face's keys.
+        tokenizer_dir (Path): the directory with ``tokenizer.json``, ``tokenizer_config.json``
+            and the chat template.
+        dtype (str): ``"f16"`` or ``"q8_0"`` for the 2-D weights (norms and biases stay F32;
+            a weight whose rows are not a multiple of 32 stays F16 under Q8_0).
+        output (Path): the file to write; its directory must exist. Written to a temporary file
+            in the same directory, then renamed.
+        meta (Metadata): the ``general.*`` keys (:mod:`squash.export.gguf_general`).
+        source (str): what the weights were read from, for ``general.description``.
+
+    Returns:
+        Path: ``output``.
+
+    Raises:
+        FileNotFoundError: a missing tokenizer or output directory.
+        UnsupportedModelError: a family, rotary scaling or tokenizer GGUF cannot carry.
+        ValueError: weights that do not match ``config``, or an unknown ``dtype``.
+    """
+    _check_dtype(dtype)
+    output = Path(output)
     if not output.parent.is_dir():
         raise FileNotFoundError(f"Output directory {output.parent} does not exist")
-    hp = _hparams(_read_json(checkpoint_dir / "config.json"))
-    tok = tokenizer_metadata(checkpoint_dir, hp["vocab"])
-    _, weights = load_merged_checkpoint(checkpoint_dir)
-    _check_weights(weights, hp, checkpoint_dir)
+    hp = _hparams(config)
+    tok = tokenizer_metadata(Path(tokenizer_dir), hp["vocab"], config)
+    _check_weights(weights, hp, Path(tokenizer_dir))
 
     arch = gguf.MODEL_ARCH_NAMES[SUPPORTED_ARCHITECTURES[hp["architecture"]][0]]
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch)
-        _write_metadata(writer, hp, tok, dtype)
         for name, data, raw_dtype in _gguf_tensors(weights, hp, dtype):
             writer.add_tensor(name, data, raw_dtype=raw_dtype)
+        add_general(writer, meta, writer.get_total_parameter_count(), source)
+        _write_metadata(writer, hp, tok, dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -87,7 +87,9 @@ def test_metadata_carries_tokenizer_and_chat_template(tiny_llama, tmp_path):
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     assert fields["tokenizer.ggml.merges"].contents() == merges
     assert fields["tokenizer.ggml.model"].contents() == "gpt2"
-    assert fields["tokenizer.ggml.pre"].contents() == "gpt2"
+    # llama.cpp's name for GPT-2's pre-tokenizer (llama-vocab.cpp refuses "gpt2")
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
     assert fields["tokenizer.ggml.bos_token_id"].contents() == vocab["<|im_start|>"]
     assert fields["tokenizer.ggml.eos_token_id"].contents() == vocab["<|im_end|>"]
     assert fields["tokenizer.ggml.padding_token_id"].contents() == vocab["<|im_end|>"]
@@ -95,6 +97,50 @@ def test_metadata_carries_tokenizer_and_chat_template(tiny_llama, tmp_path):
     assert fields["general.architecture"].contents() == "llama"
     assert fields["llama.attention.head_count_kv"].contents() == 2
     assert fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def test_general_keys_come_from_the_model_card_and_say_squash_wrote_the_file(tiny_llama, tmp_path):
+    import squash
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    (src / "README.md").write_text(
+        '---\nname: "Tiny Llama"\norganization: "Acme"\nbasename: tiny-llama\n'
+        'license: apache-2.0\nlanguage: [en, fr]\n---\n# Tiny Llama\n'
+    )
+    export_gguf(src, "f16", tmp_path / "m.gguf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    got = {k[len("general."):]: fields[k].contents() for k in fields if k.startswith("general.")}
+    # embeddings and output 2 x 320 x 64; per layer q, o 64 x 64, k, v 32 x 64, three MLP
+    # 96 x 64, two norms of 64; the final norm
+    n_params = 2 * 320 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64 + 2 * 64) + 64
+    assert n_params == sum(v.numel() for v in _hf(tiny_llama).state_dict().values()) == 102_720
+    assert got == {
+        "architecture": "llama", "type": "model", "name": "Tiny Llama", "organization": "Acme",
+        "basename": "tiny-llama", "license": "apache-2.0", "languages": ["en", "fr"],
+        "size_label": "103K",  # 102,720 parameters to three digits
+        "description": f"GGUF written by squash {squash.__version__} from the Hugging Face "
+        "checkpoint src",
+        "file_type": int(gguf.LlamaFileType.MOSTLY_F16), "quantization_version": 2,
+    }  # fmt: skip
+
+
+def test_special_tokens_missing_from_tokenizer_config_come_from_config_json(tiny_qwen2, tmp_path):
+    """Qwen 2.5's tokenizer_config.json has no bos_token; convert_hf_to_gguf.py then takes
+    config.json's bos_token_id, and so does squash."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_qwen2, src)
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    del tok_config["bos_token"]
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, bos_token_id=0, unk_token_id=[1])))
+    export_gguf(src, "f16", tmp_path / "m.gguf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 0
+    # a tokenizer_config.json entry wins; a list is not a token id
+    assert fields["tokenizer.ggml.unknown_token_id"].contents() == 0  # <|endoftext|>
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
 
 
 def test_transformers_tokenizer_from_gguf_encodes_like_tokenizer_json(tiny_qwen2, tmp_path):
@@ -168,6 +214,17 @@ def test_unknown_pre_tokenizer_is_refused(tiny_llama, tmp_path):
     with pytest.raises(UnsupportedModelError, match="pre-tokenizer.*Whitespace"):
         export_gguf(src, "f16", out / "m.gguf")
     assert os.listdir(out) == []
+
+
+def test_byte_level_with_a_prefix_space_is_refused(tiny_llama, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    tok["pre_tokenizer"]["add_prefix_space"] = True
+    (src / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UnsupportedModelError, match="add_prefix_space: true"):
+        export_gguf(src, "f16", tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf"))
 
 
 def test_bad_inputs_are_clear_errors(tiny_llama, tmp_path):
