@@ -16,7 +16,8 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.export import export_checkpoint, parse_export_config
+from squash.export import parse_export_config
+from squash.merge import export_checkpoint
 from squash.training import checkpoint as ckpt
 from squash.training import resume_config, run_dir
 from squash.training import data, exports, resume, steps
@@ -103,8 +104,6 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._export = parse_export_config(
             cfg.get("export", None), cfg.get("checkpointer", {}).get("checkpoint_dir", None)
         )
-        if self._export and self._adapter_only:
-            raise ConfigKeyError("export needs the merged weights: save_adapter_weights_only: False")
         self._act_ckpt = bool(cfg.get("enable_activation_checkpointing", False))
         self._act_offload = bool(cfg.get("enable_activation_offloading", False))
         if self._act_offload and (self._device.type != "cuda" or not self._act_ckpt):

@@ -83,15 +83,19 @@ def _weight_files(checkpoint_dir: Path) -> List[Path]:
     files = sorted(checkpoint_dir.glob("model*.safetensors"))
     if not files:
         raise FileNotFoundError(
-            f"No merged weights (model*.safetensors) in {checkpoint_dir}: export needs a checkpoint "
-            "saved with save_adapter_weights_only: false"
+            f"No weights (model*.safetensors) in {checkpoint_dir}: not a Hugging Face model "
+            "directory (a squash checkpoint saved with save_adapter_weights_only is exported by "
+            "squash.merge.export_checkpoint, `squash export`)"
         )
     return files
 
 
-def load_merged_checkpoint(checkpoint_dir: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """``config.json`` and the merged weights (float32, on the CPU) of a Hugging Face checkpoint
-    directory (an ``epoch_N``/``step_N`` of a squash run, or any HF model directory).
+def load_merged_checkpoint(
+    checkpoint_dir: Path, float32: bool = True
+) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """``config.json`` and the merged weights (float32, or with ``float32=False`` as stored; on
+    the CPU) of a Hugging Face checkpoint directory (an ``epoch_N``/``step_N`` of a squash run,
+    or any HF model directory).
 
     Raises:
         FileNotFoundError: if the directory, its ``config.json`` or its weights are missing.
@@ -106,7 +110,8 @@ def load_merged_checkpoint(checkpoint_dir: Path) -> Tuple[Dict[str, Any], Dict[s
             for key in handle.keys():
                 if key in weights:
                     raise ValueError(f"{f} repeats the tensor {key}")
-                weights[key] = handle.get_tensor(key).float()
+                tensor = handle.get_tensor(key)
+                weights[key] = tensor.float() if float32 else tensor
     return config, weights
 
 
@@ -519,30 +524,3 @@ def _parse_export_block(block: Any) -> Dict[str, List[str]]:
     if bad:
         raise ValueError(f"export.gguf: unknown dtype(s) {bad}; known: {list(GGUF_DTYPES)}")
     return {"gguf": dtypes} if dtypes else {}
-
-
-def export_checkpoint(
-    checkpoint_dir: Path, formats: Any, output_dir: Optional[Path] = None
-) -> List[Path]:
-    """The exports a recipe's ``export`` config block asks for, of one finished checkpoint.
-
-    ``formats`` is that block (see :func:`parse_export_config`), e.g. ``{"gguf": ["f16",
-    "q8_0"]}``. Files are named ``<checkpoint name>-<dtype>.gguf`` and go to ``output_dir``
-    (default: ``gguf/`` beside the checkpoint, so the checkpoint directory itself, with its
-    recorded hashes, stays as it was written).
-
-    Returns:
-        List[Path]: the files written.
-
-    Raises:
-        ValueError: an unknown format or dtype, naming the ``export`` key.
-        UnsupportedModelError, FileNotFoundError: from :func:`export_gguf`.
-    """
-    checkpoint_dir = Path(checkpoint_dir)
-    dtypes = parse_export_config(formats).get("gguf", [])
-    output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "gguf"
-    if dtypes:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    return [
-        export_gguf(checkpoint_dir, d, output_dir / f"{checkpoint_dir.name}-{d}.gguf") for d in dtypes
-    ]
