@@ -91,14 +91,14 @@ def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> 
         meta = manifest.verify(checkpoint_dir)
     if has_merged_weights(checkpoint_dir):
         config, weights = load_merged_checkpoint(checkpoint_dir)
-        if meta is None:
+        if meta is None:  # a Hugging Face model directory
             source = f"the Hugging Face checkpoint {checkpoint_dir.name}"
-            meta_ = model_metadata(checkpoint_dir)
-            return CheckpointModel(config, weights, checkpoint_dir, meta_, source, [checkpoint_dir])
-        recorded = Path((meta.get("base") or {}).get("path", checkpoint_dir))
-        described = recorded if recorded.is_dir() else checkpoint_dir  # names only: not checked
-        return CheckpointModel(config, weights, checkpoint_dir, _finetune_meta(checkpoint_dir, described, meta),
-                               f"the merged weights of {_label(checkpoint_dir)}", [checkpoint_dir])  # fmt: skip
+            general = model_metadata(checkpoint_dir)
+        else:  # names only, not weights, are read from the recorded base: it is not checked
+            recorded = Path((meta.get("base") or {}).get("path", checkpoint_dir))
+            general = _finetune_meta(checkpoint_dir, recorded if recorded.is_dir() else checkpoint_dir)
+            source = f"the merged weights of {_label(checkpoint_dir, meta)}"
+        return CheckpointModel(config, weights, checkpoint_dir, general, source, [checkpoint_dir])
     if meta is None:
         raise FileNotFoundError(
             f"{checkpoint_dir} holds neither merged weights (config.json, model*.safetensors) nor "
@@ -108,17 +108,19 @@ def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> 
     config, weights = merge_adapter(checkpoint_dir, base_dir, meta)
     # the tokenizer files a checkpoint holds (recorded in checkpoint.json), else the base's
     tokenizer_dir = checkpoint_dir if (checkpoint_dir / "tokenizer.json").is_file() else base_dir
-    return CheckpointModel(config, weights, tokenizer_dir, _finetune_meta(checkpoint_dir, base_dir, meta),
-                           f"{_label(checkpoint_dir)}: its adapter merged into {base_dir.name}",
-                           [checkpoint_dir, base_dir])  # fmt: skip
+    source = f"{_label(checkpoint_dir, meta)}, its squash adapter merged into the base {base_dir.name}"
+    general = _finetune_meta(checkpoint_dir, base_dir)
+    return CheckpointModel(config, weights, tokenizer_dir, general, source, [checkpoint_dir, base_dir])
 
 
-def _label(checkpoint_dir: Path) -> str:
-    return f"{checkpoint_dir.parent.name}/{checkpoint_dir.name}"
+def _label(checkpoint_dir: Path, meta: Optional[Dict[str, Any]] = None) -> str:
+    step = (meta or {}).get("global_step")
+    at = f" (step {step})" if isinstance(step, int) else ""
+    return f"{checkpoint_dir.parent.name}/{checkpoint_dir.name}{at}"
 
 
-def _finetune_meta(checkpoint_dir: Path, base_dir: Path, meta: Dict[str, Any]) -> Metadata:
-    return finetune_metadata(model_metadata(base_dir), _label(checkpoint_dir), meta.get("global_step"))
+def _finetune_meta(checkpoint_dir: Path, base_dir: Path) -> Metadata:
+    return finetune_metadata(model_metadata(base_dir), _label(checkpoint_dir))
 
 
 def verified_base(checkpoint_dir: Path, meta: Dict[str, Any], base: Optional[Path] = None) -> Path:

@@ -517,7 +517,11 @@ def _parse_export_block(block: Any) -> Dict[str, List[str]]:
         raise ValueError(f"export: expected a mapping such as {{gguf: [f16, q8_0]}}, got {block!r}")
     unknown = sorted(set(block) - {"gguf"})
     if unknown:
-        raise ValueError(f"export: unknown format(s) {unknown}; known: ['gguf']")
+        # export={gguf:f16} on the command line reads as the key 'gguf:f16' (no space after ':')
+        hint = "; on the command line write export.gguf=f16 or 'export.gguf=[f16,q8_0]'" if any(
+            ":" in str(k) for k in unknown
+        ) else ""
+        raise ValueError(f"export: unknown format(s) {unknown}; known: ['gguf']{hint}")
     dtypes = block.get("gguf") or []
     dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     bad = [d for d in dtypes if d not in GGUF_DTYPES]

@@ -10,12 +10,12 @@ keys, so an export of the downloaded model carries them unchanged.
 
 A fine-tune (a squash checkpoint: the base with an adapter merged in) keeps the base's keys,
 names the base in ``general.base_model.0.*``, and says which checkpoint it is in its name,
-``general.finetune`` and ``general.description``.
+``general.finetune`` and the note in ``general.description``.
 """
 
 import dataclasses
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Tuple
 
 import gguf
 from gguf.metadata import Metadata
@@ -33,25 +33,21 @@ def model_metadata(model_dir: Path) -> Metadata:
     return meta
 
 
-def finetune_metadata(base: Metadata, checkpoint: str, global_step: Optional[int]) -> Metadata:
+def finetune_metadata(base: Metadata, checkpoint: str) -> Metadata:
     """The metadata of a fine-tune of ``base``: the base's keys (licence, basename, size class,
-    organization), the base named in ``general.base_model.0``, and the checkpoint in the name,
-    ``general.finetune`` and ``general.description``.
+    organization, description), the base named in ``general.base_model.0``, and the checkpoint
+    in the name and ``general.finetune`` (the note :func:`add_general` adds says more).
 
     Args:
         base (Metadata): :func:`model_metadata` of the base model.
         checkpoint (str): how to name the checkpoint, e.g. ``"smollm2_135m/epoch_0"``.
-        global_step (Optional[int]): its optimizer step, if known.
     """
-    step = f", step {global_step}" if global_step is not None else ""
     parent = {k: v for k, v in (("name", base.name), ("organization", base.organization),
                                 ("version", base.version)) if v is not None}  # fmt: skip
     return dataclasses.replace(
         base,
         name=f"{base.name} squash {checkpoint}",
         finetune=f"{base.finetune}-squash" if base.finetune else "squash",
-        description=f"{base.name} fine-tuned with squash: the adapter of {checkpoint}{step} "
-        "merged into its base",
         base_models=[parent],
     )
 

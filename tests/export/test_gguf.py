@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import gguf
 from squash.cli import main as cli_main
@@ -263,6 +264,10 @@ def test_export_config_and_cli(tiny_llama, tmp_path):
         parse_export_config({"gguf": ["f16", "q4_k"]})
     with pytest.raises(ValueError, match="export: unknown format.*onnx"):
         parse_export_config({"onnx": ["f16"]})
+    # what OmegaConf makes of export={gguf:f16} (no space after the colon)
+    block = OmegaConf.to_container(OmegaConf.from_dotlist(["export={gguf:f16}"]))["export"]
+    with pytest.raises(ValueError, match=r"\['gguf:f16'\].*write export.gguf=f16"):
+        parse_export_config(block)
     ckpt = tmp_path / "run" / "epoch_0"
     shutil.copytree(tiny_llama, ckpt)
     files = export_checkpoint(ckpt, {"gguf": ["f16", "q8_0"]})
