@@ -4,8 +4,8 @@ A checkpoint directory (``<run>/epoch_N``, or any Hugging Face model directory) 
 :func:`squash.merge.load_checkpoint_model` and run by transformers with a KV cache: its merged
 weights where the run wrote them, else (``save_adapter_weights_only``, the shipped configs'
 default) its adapter merged in memory into the base model the checkpoint records, checked
-against the recorded hashes (``--base DIR`` names the base if it moved, or for a checkpoint of
-squash before 0.3.7, which records no hashes).
+against the recorded hashes (``--base DIR`` names the base if it moved, or for a checkpoint
+written before runs recorded those hashes).
 
 Decoding is greedy (``temperature`` 0) or sampled (``temperature``, ``top_k``, ``seed``); tokens
 are streamed as they are decoded, up to ``max_new_tokens`` or the end-of-turn token.
@@ -98,7 +98,9 @@ def _eos_ids(directory: Path, tokenizer) -> List[int]:
     return sorted(ids)
 
 
-def load_checkpoint(checkpoint_dir: Path, base: Optional[Path] = None, device: str = "cpu") -> ChatModel:
+def load_checkpoint(
+    checkpoint_dir: Path, base: Optional[Path] = None, device: str = "cpu"
+) -> ChatModel:
     """The model of ``checkpoint_dir`` through transformers, with a KV cache: its merged weights,
     or its adapter merged in memory into the base its ``checkpoint.json`` records (checked
     against the recorded hashes; ``base`` names the base if it moved), see :mod:`squash.merge`.
@@ -137,7 +139,9 @@ def _transformers_model(config: Dict, weights: Dict[str, torch.Tensor], source: 
     try:
         hf_config = AutoConfig.for_model(**config)
         model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
-        model = model_class.from_pretrained(None, config=hf_config, state_dict=weights, dtype=torch.float32)
+        model = model_class.from_pretrained(
+            None, config=hf_config, state_dict=weights, dtype=torch.float32
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"transformers cannot build the model of {source}/config.json: {e}") from e
     return model.eval()

@@ -12,8 +12,8 @@ on the dequantized base) and the family's key conversion. Nothing is written any
 The base is trusted only as far as it can be checked: a run records the sha256 of every file of
 ``checkpointer.checkpoint_dir`` when it starts (``checkpoint.json``'s ``base``), and the base is
 checked against that record, wherever it is now (``--base DIR`` names a moved copy). Checkpoints
-of squash before 0.3.7 record no such hashes: they are merged only into a base named with
-``--base``, with a warning that it cannot be checked.
+written before runs recorded these hashes are merged only into a base named with ``--base``,
+with a warning that it cannot be checked.
 """
 
 import json
@@ -63,7 +63,7 @@ class CheckpointModel:
 
 
 def has_merged_weights(directory: Path) -> bool:
-    """Whether ``directory`` holds Hugging Face weights (``config.json`` + ``model*.safetensors``)."""
+    """Whether ``directory`` holds Hugging Face weights: config.json and model*.safetensors."""
     directory = Path(directory)
     return (directory / "config.json").is_file() and any(directory.glob("model*.safetensors"))
 
@@ -96,7 +96,8 @@ def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> 
             general = model_metadata(checkpoint_dir)
         else:  # names only, not weights, are read from the recorded base: it is not checked
             recorded = Path((meta.get("base") or {}).get("path", checkpoint_dir))
-            general = _finetune_meta(checkpoint_dir, recorded if recorded.is_dir() else checkpoint_dir)
+            described = recorded if recorded.is_dir() else checkpoint_dir
+            general = _finetune_meta(checkpoint_dir, described)
             source = f"the merged weights of {_label(checkpoint_dir, meta)}"
         return CheckpointModel(config, weights, checkpoint_dir, general, source, [checkpoint_dir])
     if meta is None:
@@ -108,9 +109,10 @@ def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> 
     config, weights = merge_adapter(checkpoint_dir, base_dir, meta)
     # the tokenizer files a checkpoint holds (recorded in checkpoint.json), else the base's
     tokenizer_dir = checkpoint_dir if (checkpoint_dir / "tokenizer.json").is_file() else base_dir
-    source = f"{_label(checkpoint_dir, meta)}, its squash adapter merged into the base {base_dir.name}"
+    source = f"{_label(checkpoint_dir, meta)}, its adapter merged into the base {base_dir.name}"
     general = _finetune_meta(checkpoint_dir, base_dir)
-    return CheckpointModel(config, weights, tokenizer_dir, general, source, [checkpoint_dir, base_dir])
+    reads = [checkpoint_dir, base_dir]
+    return CheckpointModel(config, weights, tokenizer_dir, general, source, reads)
 
 
 def _label(checkpoint_dir: Path, meta: Optional[Dict[str, Any]] = None) -> str:
@@ -138,15 +140,14 @@ def verified_base(checkpoint_dir: Path, meta: Dict[str, Any], base: Optional[Pat
             recorded = ((meta.get("config") or {}).get("checkpointer") or {}).get("checkpoint_dir")
             hint = f" (the run read {recorded})" if recorded else ""
             raise ValueError(
-                f"{where} records no hashes of the base model (a checkpoint of squash before "
-                f"0.3.7, or written outside a run){hint}; give the base with --base DIR to merge "
-                "the adapter into it unchecked"
+                f"{where} records no hashes of the base model (written before squash recorded "
+                f"them, or outside a run){hint}; give the base with --base DIR to merge the "
+                "adapter into it unchecked"
             )
         log.warning("%s records no hashes of the base model: %s is used unchecked", where, base)
         return Path(base)
-    return manifest.verify_directory(
-        record, Path(base) if base is not None else Path(record["path"]), f"the base recorded in {where}"
-    )
+    path = Path(base) if base is not None else Path(record["path"])
+    return manifest.verify_directory(record, path, f"the base recorded in {where}")
 
 
 def merge_adapter(
@@ -172,7 +173,10 @@ def merge_adapter(
     run = meta.get("config") or {}
     dtype = _DTYPES.get(str(run.get("dtype", "fp32")))
     if dtype is None:
-        raise ValueError(f"{checkpoint_dir / manifest.META_FILE}: dtype {run.get('dtype')!r} is not one of {list(_DTYPES)}")
+        raise ValueError(
+            f"{checkpoint_dir / manifest.META_FILE}: dtype {run.get('dtype')!r} is not one of "
+            f"{list(_DTYPES)}"
+        )
     config, base = base_state_dict(base_dir)
     model = setup_adapter_model(
         model_cfg, base, device=torch.device("cpu"), dtype=dtype,
@@ -228,13 +232,19 @@ def base_state_dict(base_dir: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Ten
 
         sd = qwen2_hf_to_tune(weights, **kwargs, tie_word_embeddings=False)
     else:
-        raise ValueError(f"{base_dir}/config.json: model_type {family!r} is not one squash can merge into")
+        raise ValueError(_unknown_family(base_dir, family))
     if config.get("tie_word_embeddings"):
         sd.pop("output.weight", None)  # torchtune's tied models share tok_embeddings.weight
     return config, sd
 
 
-def to_hf(state_dict: Dict[str, torch.Tensor], config: Dict[str, Any], base_dir: Path) -> Dict[str, torch.Tensor]:
+def _unknown_family(base_dir: Path, family: Any) -> str:
+    return f"{base_dir}/config.json: model_type {family!r} is not one squash can merge into"
+
+
+def to_hf(
+    state_dict: Dict[str, torch.Tensor], config: Dict[str, Any], base_dir: Path
+) -> Dict[str, torch.Tensor]:
     """torchtune's keys back to Hugging Face's for the family of ``config``, as the checkpointer
     the recipe uses converts them when it writes merged weights."""
     family = config.get("model_type")
@@ -251,7 +261,7 @@ def to_hf(state_dict: Dict[str, torch.Tensor], config: Dict[str, Any], base_dir:
 
         tied = bool(config.get("tie_word_embeddings", False))
         return qwen2_tune_to_hf(state_dict, **_head_args(config), tie_word_embeddings=tied)
-    raise ValueError(f"{base_dir}/config.json: model_type {family!r} is not one squash can merge into")
+    raise ValueError(_unknown_family(base_dir, family))
 
 
 def _head_args(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -265,7 +275,10 @@ def _head_args(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def export_checkpoint(
-    checkpoint_dir: Path, formats: Any, output_dir: Optional[Path] = None, base: Optional[Path] = None
+    checkpoint_dir: Path,
+    formats: Any,
+    output_dir: Optional[Path] = None,
+    base: Optional[Path] = None,
 ) -> List[Path]:
     """The exports an ``export`` config block asks for (``{"gguf": ["f16", "q8_0"]}``, see
     :func:`squash.export.parse_export_config`) of one checkpoint, merged or adapter-only.

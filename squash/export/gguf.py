@@ -342,7 +342,8 @@ def tokenizer_metadata(
         i = _token_id(tok_config.get(f"{name}_token"), vocab)
         if i is None and config is not None:
             i = config.get(f"{name}_token_id")
-            i = i if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size else None
+            valid = isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+            i = i if valid else None
         if i is not None:
             special[name] = i
     add_bos = tok_config.get("add_bos_token")

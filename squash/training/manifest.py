@@ -13,7 +13,7 @@ once every other file is in the temporary directory. ``checkpoint.json`` then re
   :func:`directory_record` recorded it when the run started: its path and the sha256 and size
   of each of its files, so an export or chat that merges the adapter into that base can check
   it is the same (:func:`verify_directory`); None when written outside a run, and absent from
-  checkpoints of squash before 0.3.7;
+  checkpoints written before runs recorded it;
 - ``sha256``: of the canonical JSON of all of the above, so an edit of ``checkpoint.json`` itself
   is caught too.
 

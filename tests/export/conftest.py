@@ -150,6 +150,7 @@ def smollm2_finetune(smollm2_checkpoint, tmp_path_factory) -> Dict[str, Path]:
     out = {"epoch": epoch, "twin": twin}
     for dtype in ("f16", "q8_0"):
         out[f"recipe_{dtype}"] = root / "run" / "gguf" / f"epoch_0-{dtype}.gguf"
-        assert cli_main(["export", str(twin), "--dtype", dtype, "--output-dir", str(root / "cli")]) == 0
+        args = ["export", str(twin), "--dtype", dtype, "--output-dir", str(root / "cli")]
+        assert cli_main(args) == 0
         out[dtype] = root / "cli" / f"epoch_0-{dtype}.gguf"
     return out

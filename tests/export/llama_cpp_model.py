@@ -57,7 +57,8 @@ class LlamaCppModel:
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp cannot make a context for {path}")
-        self.warnings = [t.strip() for lv, t in messages if lv in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR)]
+        bad = (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR)
+        self.warnings = [text.strip() for level, text in messages if level in bad]
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
@@ -118,7 +119,8 @@ class LlamaCppModel:
         self._decode(prompt, 0, all_logits=False)
         eog, out = self.end_of_generation(), []
         for _ in range(max_new_tokens):
-            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+            last = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+            row = np.ctypeslib.as_array(last, shape=(self.n_vocab,))
             token = int(np.argmax(row))
             if token in eog:
                 break

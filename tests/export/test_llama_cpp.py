@@ -86,7 +86,8 @@ def _eos_ids(source: Path, tokenizer) -> set:
 
 
 def _nll(logits: np.ndarray, ids: List[int]) -> float:
-    return torch.nn.functional.cross_entropy(torch.tensor(logits[:-1]), torch.tensor(ids[1:])).item()
+    loss = torch.nn.functional.cross_entropy(torch.tensor(logits[:-1]), torch.tensor(ids[1:]))
+    return loss.item()
 
 
 def check_in_llama_cpp(gguf_path: Path, source: Path, text: str, dtype: str, max_new: int,
@@ -99,7 +100,8 @@ def check_in_llama_cpp(gguf_path: Path, source: Path, text: str, dtype: str, max
         assert [w for w in llm.warnings if w not in allowed_warnings] == [], llm.warnings
         assert _eos_ids(source, tokenizer) <= llm.end_of_generation()
         for sample in [text, *TRICKY]:
-            assert llm.tokenize(sample) == tokenizer(sample, add_special_tokens=False).input_ids, sample
+            want = tokenizer(sample, add_special_tokens=False).input_ids
+            assert llm.tokenize(sample) == want, sample
 
         ref_model = _reference(source, gguf_path)
         ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -112,9 +114,11 @@ def check_in_llama_cpp(gguf_path: Path, source: Path, text: str, dtype: str, max
         top2 = np.sort(ref, axis=-1)[:, -2:]
         gaps = (top2[:, 1] - top2[:, 0])[~agree]
         ppl_ref, ppl_got = math.exp(_nll(ref, ids)), math.exp(_nll(got, ids))
-        measured = {"positions": len(ids), "agree": float(agree.mean()), "ppl_transformers": ppl_ref,
-                    "ppl_llama_cpp": ppl_got, "max_abs_logit_diff": float(np.abs(ref - got).max()),
-                    "logit_std": float(ref.std()), "flipped_top2_gaps": gaps.round(4).tolist()}  # fmt: skip
+        measured = {
+            "positions": len(ids), "agree": float(agree.mean()), "ppl_transformers": ppl_ref,
+            "ppl_llama_cpp": ppl_got, "max_abs_logit_diff": float(np.abs(ref - got).max()),
+            "logit_std": float(ref.std()), "flipped_top2_gaps": gaps.round(4).tolist(),
+        }  # fmt: skip
         print(f"{gguf_path.name}: {measured}")
         assert abs(ppl_got / ppl_ref - 1) <= 0.01, measured
         assert agree.mean() >= MIN_AGREEMENT[dtype], measured
@@ -127,17 +131,20 @@ def check_in_llama_cpp(gguf_path: Path, source: Path, text: str, dtype: str, max
         assert template == tokenizer.chat_template
         for prompt in PROMPTS:
             messages = [{"role": "user", "content": prompt}]
-            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
             prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
             assert llm.tokenize(rendered) == prompt_ids
             answer = llm.greedy(prompt_ids, max_new)
+            stop = sorted(llm.end_of_generation())
             with torch.no_grad():
                 out = ref_model.generate(
-                    torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                    max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(llm.end_of_generation()),
+                    torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids)),
+                    max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
                     pad_token_id=tokenizer.eos_token_id,
                 )[0, len(prompt_ids):].tolist()  # fmt: skip
-            out = [t for t in out if t not in llm.end_of_generation()]
+            out = [t for t in out if t not in stop]
             assert answer == out, (prompt, tokenizer.decode(answer), tokenizer.decode(out))
             measured[prompt] = tokenizer.decode(answer)
         return measured
@@ -160,7 +167,7 @@ TEXT = (  # prose written for this test: a few hundred tokens
 )
 
 
-# ---- the tiny models of each architecture ----------------------------------------------------------
+# ---- the tiny models of each architecture -------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_llama3", "tiny_qwen2"])
 def test_tiny_models_in_llama_cpp(family, dtype, request, tmp_path):
@@ -169,7 +176,7 @@ def test_tiny_models_in_llama_cpp(family, dtype, request, tmp_path):
     check_in_llama_cpp(path, source, TEXT, dtype, max_new=12)
 
 
-# ---- SmolLM2-135M-Instruct ---------------------------------------------------------------------------
+# ---- SmolLM2-135M-Instruct ----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +195,7 @@ def upstream_warnings(smollm2_upstream_gguf) -> List[str]:
 def test_smollm2_download_in_llama_cpp(dtype, smollm2_checkpoint, upstream_warnings, tmp_path):
     path = export_gguf(smollm2_checkpoint, dtype, tmp_path / f"smollm2-{dtype}.gguf")
     warnings, eog = upstream_warnings
-    check_in_llama_cpp(path, smollm2_checkpoint, TEXT, dtype, max_new=32, allowed_warnings=warnings)
+    check_in_llama_cpp(path, smollm2_checkpoint, TEXT, dtype, 32, allowed_warnings=warnings)
     llm = LlamaCppModel(path)
     try:
         assert llm.end_of_generation() == eog
@@ -199,13 +206,16 @@ def test_smollm2_download_in_llama_cpp(dtype, smollm2_checkpoint, upstream_warni
 @pytest.mark.smollm2
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
-def test_smollm2_finetune_in_llama_cpp(dtype, smollm2_finetune, smollm2_checkpoint, upstream_warnings):
+def test_smollm2_finetune_in_llama_cpp(
+    dtype, smollm2_finetune, smollm2_checkpoint, upstream_warnings
+):
     """The fine-tune as the config saves it (adapter-only, merged by ``squash export``): the same
     tensors as the recipe's own export of its merged weights, and right in llama.cpp."""
-    ours, recipes = gguf.GGUFReader(smollm2_finetune[dtype]), gguf.GGUFReader(smollm2_finetune[f"recipe_{dtype}"])
+    ours = gguf.GGUFReader(smollm2_finetune[dtype])
+    recipes = gguf.GGUFReader(smollm2_finetune[f"recipe_{dtype}"])
     assert [t.name for t in ours.tensors] == [t.name for t in recipes.tensors]
     for a, b in zip(ours.tensors, recipes.tensors):
         assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data), a.name
     warnings, _ = upstream_warnings
-    check_in_llama_cpp(smollm2_finetune[dtype], smollm2_checkpoint, TEXT, dtype, max_new=32,
+    check_in_llama_cpp(smollm2_finetune[dtype], smollm2_checkpoint, TEXT, dtype, 32,
                        allowed_warnings=warnings)  # fmt: skip

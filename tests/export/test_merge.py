@@ -32,7 +32,8 @@ def run(tmp_path_factory):
     base = root / "base"
     shutil.copytree(REPO / "assets" / "tiny_opt", base)
     (base / "chat_template.jinja").write_text(TEMPLATE)
-    tune_run(root / "run", f"checkpointer.checkpoint_dir={base}", "epochs=1", "max_steps_per_epoch=2")
+    tune_run(root / "run", f"checkpointer.checkpoint_dir={base}", "epochs=1",
+             "max_steps_per_epoch=2")  # fmt: skip
     epoch = root / "run" / "epoch_0"
     # what save_adapter_weights_only: True writes: the same directory without the merged weights
     twin = root / "twin" / "epoch_0"
@@ -77,7 +78,8 @@ def test_chat_on_the_adapter_only_checkpoint_answers_as_the_merged_weights(run, 
     prompt = chat.prompt_ids([{"role": "user", "content": "Give three tips"}])
     ref = AutoModelForCausalLM.from_pretrained(str(epoch), dtype=torch.float32).eval()
     want = ref.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                        eos_token_id=chat.eos_ids, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+                        eos_token_id=chat.eos_ids, pad_token_id=0)  # fmt: skip
+    want = want[0, len(prompt):].tolist()
     want = [t for t in want if t not in chat.eos_ids]
     assert list(chat.generate(prompt, 6)) == want
     assert cli_main(["chat", "--checkpoint", str(twin), "--prompt", "Give three tips",
@@ -97,20 +99,23 @@ def test_a_changed_base_is_refused_naming_the_file(run, tmp_path):
     weights = bytearray((moved / "model.safetensors").read_bytes())
     weights[-1] ^= 1
     (moved / "model.safetensors").write_bytes(bytes(weights))
-    with pytest.raises(CheckpointIntegrityError, match="model.safetensors is not the file the base"):
+    with pytest.raises(CheckpointIntegrityError, match="safetensors is not the file the base"):
         load_checkpoint_model(twin, moved)
     (moved / "model.safetensors").unlink()
     with pytest.raises(CheckpointIntegrityError, match="model.safetensors is missing"):
         load_checkpoint_model(twin, moved)
-    assert cli_main(["chat", "--checkpoint", str(twin), "--base", str(moved), "--prompt", "hi"]) == 1
+    args = ["chat", "--checkpoint", str(twin), "--base", str(moved), "--prompt", "hi"]
+    assert cli_main(args) == 1
 
 
-def test_a_checkpoint_without_a_base_record_needs_base_and_says_it_is_unchecked(run, tmp_path, caplog):
+def test_a_checkpoint_without_a_base_record_needs_base_and_is_merged_unchecked(
+    run, tmp_path, caplog
+):
     base, epoch, twin = run
     old = tmp_path / "old" / "epoch_0"
     shutil.copytree(twin, old)
     meta = json.loads((old / "checkpoint.json").read_text())
-    del meta["base"]  # as squash before 0.3.7 wrote it
+    del meta["base"]  # as squash wrote it before it recorded the base
     (old / "checkpoint.json").write_text(json.dumps(meta))
     rehash_checkpoint(old)
     with pytest.raises(ValueError, match=f"records no hashes of the base.*read {base}.*--base DIR"):
@@ -130,7 +135,7 @@ def test_a_model_block_naming_other_code_is_refused(run, tmp_path):
     cfg["model"] = {"_component_": "os.system", "command": f"touch {tmp_path / 'ran'}"}
     cfg_path.write_text(json.dumps(cfg))
     rehash_checkpoint(bad)
-    with pytest.raises(ValueError, match="model._component_ 'os.system' is not a squash or torchtune"):
+    with pytest.raises(ValueError, match="_component_ 'os.system' is not a squash or torchtune"):
         load_checkpoint_model(bad)
     assert not (tmp_path / "ran").exists()
 

@@ -130,7 +130,8 @@ DIFFERENT_BY_DESIGN = {"general.file_type", "general.description"}
 
 
 def _fields(path):
-    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    fields = gguf.GGUFReader(path).fields
+    return {k: f.contents() for k, f in fields.items() if not k.startswith("GGUF.")}
 
 
 def test_metadata_equals_the_upstream_gguf_key_by_key(exported, smollm2_upstream_gguf):

@@ -34,7 +34,8 @@ def test_the_message_names_the_override_and_forms_that_read_as_meant():
         assert OmegaConf.to_container(OmegaConf.from_dotlist([form])) == MEANT
     two = "export={gguf:[f16],onnx:[q8_0]}"
     assert "form: 'export.gguf=[f16]' 'export.onnx=[q8_0]' (or" in describe(two, _error(two))
-    assert describe("a=[1,2", _error("a=[1,2")).endswith("quote the value or give each field as a.FIELD=VALUE")
+    unclosed = describe("a=[1,2", _error("a=[1,2"))
+    assert unclosed.endswith("quote the value or give each field as a.FIELD=VALUE")
 
 
 def test_tune_run_with_the_bad_override_is_one_line_and_writes_nothing(tmp_path):

@@ -234,7 +234,9 @@ def _pre_tokenizer(name: str, gguf_path: Path):
     from tokenizers import pre_tokenizers
 
     if name != "smollm":
-        raise DownloadError(f"{gguf_path.name}: unexpected tokenizer.ggml.pre {name!r} (not 'smollm')")
+        raise DownloadError(
+            f"{gguf_path.name}: unexpected tokenizer.ggml.pre {name!r} (not 'smollm')"
+        )
     return pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
