@@ -8,6 +8,7 @@ from squash.export.gguf import (
     UnsupportedModelError,
     export_gguf,
     parse_export_config,
+    write_gguf,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "UnsupportedModelError",
     "export_gguf",
     "parse_export_config",
+    "write_gguf",
 ]

@@ -12,8 +12,11 @@ loader (``modeling_gguf_pytorch_utils.py``, ``integrations/ggml.py``) reverses:
 - Llama 3.1+ frequency scaling as a ``rope_freqs`` tensor (:func:`llama3_rope_factors`);
 - F16 (or Q8_0, quantized by ``gguf.quants``) for 2-D weights, F32 for norms and biases;
 - the tokenizer (``tokenizer.json``: byte-level BPE tokens, merges, token types, special ids,
-  the pre-tokenizer llama.cpp must use) and the chat template in the metadata.
+  llama.cpp's name for the pre-tokenizer, no space prefix) and the chat template in the
+  metadata, with the ``general.*`` keys of :mod:`squash.export.gguf_general`.
 
+:func:`export_gguf` writes a Hugging Face model directory; :func:`write_gguf` a model given as
+``config.json`` and weights in memory (what :mod:`squash.merge` makes of a squash checkpoint).
 A family or tokenizer that cannot be exported faithfully raises :class:`UnsupportedModelError`
 before any file is created; the file itself is written to a temporary file beside the target
 and renamed into place.

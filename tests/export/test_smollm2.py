@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gguf
-from squash.chat import load_merged
+from squash.chat import load_checkpoint
 from squash.export import export_gguf
 
 pytestmark = pytest.mark.smollm2
@@ -161,7 +161,7 @@ def test_the_downloaded_tokenizer_splits_digits_as_smollm2_does(tokenizer):
 
 
 def test_chat_greedy_tokens_equal_transformers_generate(smollm2_checkpoint, tokenizer):
-    chat = load_merged(smollm2_checkpoint)
+    chat = load_checkpoint(smollm2_checkpoint)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = chat.prompt_ids(messages)
     ref_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
