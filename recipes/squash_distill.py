@@ -38,6 +38,7 @@ from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import setup_adapter_model, setup_frozen_model, svd_init_factors
 from squash.training.heldout import setup_heldout
 from squash.training.run import close_metric_logger, config_errors_in_one_line
+from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
 
@@ -494,4 +495,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    with overrides_in_one_line("squash_distill"):  # a bad override: one line
+        sys.exit(recipe_main())

@@ -37,6 +37,7 @@ from torchtune._recipe_registry import get_all_recipes
 
 import squash  # noqa: F401  (registers ${squash_asset:NAME}, which the configs use)
 from squash.eval_tasks import TASK_DIR
+from squash.training.overrides import overrides_in_one_line
 
 
 def _load_torchtune_recipe(name: str):
@@ -146,4 +147,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    with overrides_in_one_line("squash_eleuther_eval"):  # a bad override: one line
+        sys.exit(recipe_main())

@@ -38,6 +38,7 @@ from squash.training.config_checks import (
     get_int,
 )
 from squash.training.model_setup import setup_frozen_model
+from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
 
@@ -203,4 +204,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    with overrides_in_one_line("squash_eval"):  # a bad override: one line
+        sys.exit(recipe_main())

@@ -40,6 +40,7 @@ from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.mask_update import record_dense_grads
 from squash.training.model_setup import build_adapter_model
 from squash.training.run import close_metric_logger
+from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
 
@@ -534,4 +535,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    with overrides_in_one_line("squash_finetune_distributed"):  # a bad override: one line
+        sys.exit(recipe_main())

@@ -1,13 +1,11 @@
 """``squash chat``: talk to a fine-tuned checkpoint with the model's own chat template.
 
-Two ways to load a checkpoint directory (``<run>/epoch_N``):
-
-- merged weights (the default): the Hugging Face model the recipe wrote beside the adapter,
-  through transformers (``config.json``, ``model*.safetensors``, ``tokenizer.json``);
-- ``--base DIR``: the base model from the HF checkpoint ``DIR`` rebuilt as squash trained it
-  (the ``model`` block of ``squash_adapter_config.json``: the NF4 base and the FFI adapter), with
-  ``squash_adapter.safetensors`` loaded on top; for runs saved with
-  ``save_adapter_weights_only``.
+A checkpoint directory (``<run>/epoch_N``, or any Hugging Face model directory) is loaded by
+:func:`squash.merge.load_checkpoint_model` and run by transformers with a KV cache: its merged
+weights where the run wrote them, else (``save_adapter_weights_only``, the shipped configs'
+default) its adapter merged in memory into the base model the checkpoint records, checked
+against the recorded hashes (``--base DIR`` names the base if it moved, or for a checkpoint
+written before runs recorded those hashes).
 
 Decoding is greedy (``temperature`` 0) or sampled (``temperature``, ``top_k``, ``seed``); tokens
 are streamed as they are decoded, up to ``max_new_tokens`` or the end-of-turn token.
@@ -18,12 +16,11 @@ import inspect
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, TextIO
 
 import torch
 from torch import nn
 
-from squash.training import checkpoint as ckpt
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # new token ids (1, n) -> last logits (vocab,)
 
@@ -101,32 +98,22 @@ def _eos_ids(directory: Path, tokenizer) -> List[int]:
     return sorted(ids)
 
 
-def _has_merged_weights(directory: Path) -> bool:
-    return (directory / "config.json").is_file() and (
-        any(directory.glob("model*.safetensors"))
-    )
-
-
-def load_merged(checkpoint_dir: Path, device: str = "cpu") -> ChatModel:
-    """The merged HF weights of ``checkpoint_dir`` through transformers, with a KV cache.
+def load_checkpoint(
+    checkpoint_dir: Path, base: Optional[Path] = None, device: str = "cpu"
+) -> ChatModel:
+    """The model of ``checkpoint_dir`` through transformers, with a KV cache: its merged weights,
+    or its adapter merged in memory into the base its ``checkpoint.json`` records (checked
+    against the recorded hashes; ``base`` names the base if it moved), see :mod:`squash.merge`.
 
     Raises:
-        FileNotFoundError: no such directory, or no merged weights in it.
+        FileNotFoundError: no such directory, or neither merged weights nor an adapter in it.
+        ValueError: a checkpoint or base that fails its checks, or that transformers cannot load.
     """
-    from transformers import AutoModelForCausalLM
+    from squash.merge import load_checkpoint_model
 
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
-    if not _has_merged_weights(checkpoint_dir):
-        raise FileNotFoundError(
-            f"No merged weights (config.json + model*.safetensors) in {checkpoint_dir}; for an "
-            "adapter-only checkpoint give the base model with --base DIR"
-        )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(checkpoint_dir), dtype=torch.float32, local_files_only=True
-    ).to(device).eval()
-    tokenizer = _tokenizer(checkpoint_dir)
+    loaded = load_checkpoint_model(Path(checkpoint_dir), base)
+    model = _transformers_model(loaded.config, loaded.weights, loaded.tokenizer_dir).to(device)
+    tokenizer = _tokenizer(loaded.tokenizer_dir)
 
     # transformers 5.x names the KV cache ``cache``; 4.x ``past_key_values``
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -142,94 +129,22 @@ def load_merged(checkpoint_dir: Path, device: str = "cpu") -> ChatModel:
 
         return step
 
-    return ChatModel(session, tokenizer, _eos_ids(checkpoint_dir, tokenizer))
+    return ChatModel(session, tokenizer, _eos_ids(loaded.tokenizer_dir, tokenizer))
 
 
-def _base_state_dict(base_dir: Path, model_cfg) -> Dict[str, torch.Tensor]:
-    """The base HF checkpoint's weights with torchtune's keys, for the family of its config."""
-    from squash.export.gguf import load_merged_checkpoint
+def _transformers_model(config: Dict, weights: Dict[str, torch.Tensor], source: Path) -> nn.Module:
+    """transformers' model of ``config`` (a ``config.json``) holding ``weights``, float32, eval."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config, weights = load_merged_checkpoint(base_dir)
-    family = config.get("model_type")
-    if family == "opt":
-        from squash.models.opt import opt_hf_to_tune
-
-        return opt_hf_to_tune(weights)
-    heads = int(config["num_attention_heads"])
-    kwargs = dict(
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        dim=int(config["hidden_size"]),
-        head_dim=config.get("head_dim"),
-    )
-    if family == "llama":
-        from torchtune.models.convert_weights import hf_to_tune
-
-        sd = hf_to_tune(weights, **kwargs)
-    elif family == "qwen2":
-        from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
-
-        sd = qwen2_hf_to_tune(weights, **kwargs, tie_word_embeddings=False)
-    else:
-        raise ValueError(f"{base_dir}/config.json: model_type {family!r} is not one squash chat loads")
-    if config.get("tie_word_embeddings"):
-        sd.pop("output.weight", None)  # torchtune's tied models share tok_embeddings.weight
-    return sd
-
-
-def load_adapter(checkpoint_dir: Path, base_dir: Path, device: str = "cpu") -> ChatModel:
-    """The base model of ``base_dir`` built as squash trained it (NF4 base, FFI adapter) with
-    the squash adapter of ``checkpoint_dir`` (no KV cache: each token reruns the sequence).
-
-    Raises:
-        FileNotFoundError: a missing directory, adapter or adapter config.
-        ValueError: an adapter or base that does not fit the model its config describes, or an
-            ``init: svd`` adapter (whose base was changed in training: use the merged weights).
-    """
-    from omegaconf import OmegaConf
-    from torchtune import config as tt_config
-
-    checkpoint_dir, base_dir = Path(checkpoint_dir), Path(base_dir)
-    for d in (checkpoint_dir, base_dir):
-        if not d.is_dir():
-            raise FileNotFoundError(f"Directory {d} does not exist")
-    cfg_path = checkpoint_dir / ckpt.SQUASH_ADAPTER_CONFIG_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"No {ckpt.SQUASH_ADAPTER_CONFIG_FILE} in {checkpoint_dir}")
-    model_cfg = OmegaConf.create(json.loads(cfg_path.read_text())["model"])
-    if model_cfg.get("init") == "svd":
-        raise ValueError(
-            f"{cfg_path}: an init: svd adapter was trained against a base with its principal "
-            "components removed; chat with the merged weights instead (leave out --base)"
+    try:
+        hf_config = AutoConfig.for_model(**config)
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+        model = model_class.from_pretrained(
+            None, config=hf_config, state_dict=weights, dtype=torch.float32
         )
-    adapter = ckpt.load_squash_adapter(checkpoint_dir)
-    with torch.device(device):
-        model: nn.Module = tt_config.instantiate(model_cfg)
-    base = _base_state_dict(base_dir, model_cfg)
-    missing, unexpected = model.load_state_dict(base, strict=False)
-    missing = [k for k in missing if ".lora_" not in k]
-    if missing or unexpected:
-        raise ValueError(
-            f"The base model in {base_dir} does not fit {model_cfg._component_}: missing "
-            f"{missing[:5]}, unexpected {list(unexpected)[:5]}"
-        )
-    ckpt.load_adapter_into(model, adapter, checkpoint_dir / ckpt.SQUASH_ADAPTER_FILE)
-    model.eval()
-    has_tokenizer = any((checkpoint_dir / f).is_file() for f in ("tokenizer.json", "vocab.json"))
-    tok_dir = checkpoint_dir if has_tokenizer else base_dir
-    tokenizer = _tokenizer(tok_dir)
-
-    def session() -> LogitsFn:
-        seen: List[torch.Tensor] = []
-
-        @torch.no_grad()
-        def step(new: torch.Tensor) -> torch.Tensor:
-            seen.append(new)
-            return model(torch.cat(seen, dim=1).to(device))[0, -1]
-
-        return step
-
-    return ChatModel(session, tokenizer, _eos_ids(base_dir, tokenizer))
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"transformers cannot build the model of {source}/config.json: {e}") from e
+    return model.eval()
 
 
 # ---- the command --------------------------------------------------------------------------------
@@ -253,10 +168,8 @@ def stream(chat: ChatModel, ids: Iterator[int], out: TextIO) -> List[int]:
 def main(args: argparse.Namespace) -> int:
     """``squash chat`` with the arguments :mod:`squash.cli` parsed."""
     try:
-        if args.base is not None:
-            chat = load_adapter(Path(args.checkpoint), Path(args.base), args.device)
-        else:
-            chat = load_merged(Path(args.checkpoint), args.device)
+        base = Path(args.base) if args.base is not None else None
+        chat = load_checkpoint(Path(args.checkpoint), base, args.device)
     except (OSError, ValueError) as e:
         print(f"squash chat: {e}", file=sys.stderr)
         return 1

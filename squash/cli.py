@@ -201,14 +201,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--dtype", choices=["float32", "bfloat16"], default="float32",
         help="dtype of the written weights (default: float32)",
     )
-    export = sub.add_parser("export", help="write a checkpoint's merged weights as GGUF")
+    base_help = ("the base model of an adapter-only checkpoint, if not where the run read it "
+                 "(checked against the hashes the checkpoint records)")  # fmt: skip
+    export = sub.add_parser(
+        "export", help="write a checkpoint as GGUF (an adapter-only one merged into its base)"
+    )
     export.add_argument("checkpoint_dir", help="a checkpoint directory (epoch_N, step_N)")
     export.add_argument("--format", default="gguf", choices=["gguf"], help="export format")
     export.add_argument("--dtype", default="f16", choices=["f16", "q8_0"], help="weight type")
     export.add_argument("--output-dir", required=True, help="directory for <checkpoint>-<dtype>.gguf")
+    export.add_argument("--base", default=None, help=base_help)
     chat = sub.add_parser("chat", help="chat with a checkpoint (merged weights or base + adapter)")
     chat.add_argument("--checkpoint", required=True, help="a checkpoint directory (epoch_N)")
-    chat.add_argument("--base", default=None, help="base HF checkpoint dir for an adapter-only one")
+    chat.add_argument("--base", default=None, help=base_help)
     chat.add_argument("--prompt", default=None, help="one prompt (default: read lines from stdin)")
     chat.add_argument("--system", default=None, help="system message (default: the template's)")
     chat.add_argument("--max-new-tokens", type=int, default=128)
@@ -235,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "download":
         return _download(args)
     if args.command == "export":
-        return _export(args.checkpoint_dir, args.dtype, args.output_dir)
+        return _export(args.checkpoint_dir, args.dtype, args.output_dir, args.base)
     if args.command == "chat":
         from squash.chat import main as chat_main
 
@@ -243,11 +248,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     return _cp(args.name, args.destination, args.force)
 
 
-def _export(checkpoint_dir: str, dtype: str, output_dir: str) -> int:
-    from squash.export import export_checkpoint
+def _export(checkpoint_dir: str, dtype: str, output_dir: str, base: Optional[str]) -> int:
+    from squash.merge import export_checkpoint
 
     try:
-        (path,) = export_checkpoint(Path(checkpoint_dir), {"gguf": [dtype]}, Path(output_dir))
+        (path,) = export_checkpoint(
+            Path(checkpoint_dir), {"gguf": [dtype]}, Path(output_dir),
+            Path(base) if base is not None else None,
+        )  # fmt: skip
     except (OSError, ValueError) as e:  # UnsupportedModelError is a ValueError
         print(f"squash export: {e}", file=sys.stderr)
         return 1

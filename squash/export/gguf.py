@@ -12,8 +12,11 @@ loader (``modeling_gguf_pytorch_utils.py``, ``integrations/ggml.py``) reverses:
 - Llama 3.1+ frequency scaling as a ``rope_freqs`` tensor (:func:`llama3_rope_factors`);
 - F16 (or Q8_0, quantized by ``gguf.quants``) for 2-D weights, F32 for norms and biases;
 - the tokenizer (``tokenizer.json``: byte-level BPE tokens, merges, token types, special ids,
-  the pre-tokenizer llama.cpp must use) and the chat template in the metadata.
+  llama.cpp's name for the pre-tokenizer, no space prefix) and the chat template in the
+  metadata, with the ``general.*`` keys of :mod:`squash.export.gguf_general`.
 
+:func:`export_gguf` writes a Hugging Face model directory; :func:`write_gguf` a model given as
+``config.json`` and weights in memory (what :mod:`squash.merge` makes of a squash checkpoint).
 A family or tokenizer that cannot be exported faithfully raises :class:`UnsupportedModelError`
 before any file is created; the file itself is written to a temporary file beside the target
 and renamed into place.
@@ -32,6 +35,8 @@ import torch
 from safetensors import safe_open
 
 import gguf
+from gguf.metadata import Metadata
+from squash.export.gguf_general import add_general, model_metadata
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +86,19 @@ def _weight_files(checkpoint_dir: Path) -> List[Path]:
     files = sorted(checkpoint_dir.glob("model*.safetensors"))
     if not files:
         raise FileNotFoundError(
-            f"No merged weights (model*.safetensors) in {checkpoint_dir}: export needs a checkpoint "
-            "saved with save_adapter_weights_only: false"
+            f"No weights (model*.safetensors) in {checkpoint_dir}: not a Hugging Face model "
+            "directory (a squash checkpoint saved with save_adapter_weights_only is exported by "
+            "squash.merge.export_checkpoint, `squash export`)"
         )
     return files
 
 
-def load_merged_checkpoint(checkpoint_dir: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """``config.json`` and the merged weights (float32, on the CPU) of a Hugging Face checkpoint
-    directory (an ``epoch_N``/``step_N`` of a squash run, or any HF model directory).
+def load_merged_checkpoint(
+    checkpoint_dir: Path, float32: bool = True
+) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """``config.json`` and the merged weights (float32, or with ``float32=False`` as stored; on
+    the CPU) of a Hugging Face checkpoint directory (an ``epoch_N``/``step_N`` of a squash run,
+    or any HF model directory).
 
     Raises:
         FileNotFoundError: if the directory, its ``config.json`` or its weights are missing.
@@ -104,7 +113,8 @@ def load_merged_checkpoint(checkpoint_dir: Path) -> Tuple[Dict[str, Any], Dict[s
             for key in handle.keys():
                 if key in weights:
                     raise ValueError(f"{f} repeats the tensor {key}")
-                weights[key] = handle.get_tensor(key).float()
+                tensor = handle.get_tensor(key)
+                weights[key] = tensor.float() if float32 else tensor
     return config, weights
 
 
@@ -132,7 +142,6 @@ def _hparams(config: Mapping[str, Any]) -> Dict[str, Any]:
         "rms_eps": float(config["rms_norm_eps"]),
         "tied": bool(config.get("tie_word_embeddings", False)),
         "rope": rope,
-        "name": str(config.get("_name_or_path") or config.get("_model_name_or_path") or ""),
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3") or (rope_type == "llama3" and arch != "LlamaForCausalLM"):
@@ -249,13 +258,21 @@ def _gguf_tensors(
 
 # ---- tokenizer ----------------------------------------------------------------------------------
 def _pre_tokenizer_name(pre: Optional[Mapping[str, Any]], source: Path) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for a ``tokenizer.json`` pre-tokenizer."""
+    """llama.cpp's ``tokenizer.ggml.pre`` for a ``tokenizer.json`` pre-tokenizer: the name under
+    which ``llama-vocab.cpp`` splits text as that pre-tokenizer does (``gpt-2``: GPT-2's regex;
+    ``smollm``: each digit alone, then GPT-2's; ``llama-bpe``: Llama 3's; ``qwen2``: Qwen 2's),
+    the name ``convert_hf_to_gguf.py`` writes for such a tokenizer."""
     def same(step: Mapping[str, Any], ref: Mapping[str, Any]) -> bool:
         return all(step.get(k) == v for k, v in ref.items())
 
     steps = [] if pre is None else list(pre.get("pretokenizers", [pre]))
+    if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
+        raise UnsupportedModelError(
+            f"The pre-tokenizer in {source} adds a space before the text (ByteLevel "
+            "add_prefix_space: true), which llama.cpp's byte-level BPE does not do"
+        )
     if len(steps) == 1 and same(steps[0], _BYTE_LEVEL):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name; "gpt2" is refused ("unknown pre-tokenizer type")
     if (
         len(steps) == 2 and same(steps[0], {"type": "Digits", "individual_digits": True})
         and same(steps[1], _BYTE_LEVEL)
@@ -279,12 +296,16 @@ def _token_id(token: Any, vocab: Mapping[str, int]) -> Optional[int]:
     return vocab.get(token) if isinstance(token, str) else None
 
 
-def tokenizer_metadata(checkpoint_dir: Path, vocab_size: int) -> Dict[str, Any]:
+def tokenizer_metadata(
+    checkpoint_dir: Path, vocab_size: int, config: Optional[Mapping[str, Any]] = None
+) -> Dict[str, Any]:
     """The ``tokenizer.*`` metadata of the GGUF file from ``tokenizer.json``,
     ``tokenizer_config.json`` and the chat template of ``checkpoint_dir``.
 
     Returns a dict with ``pre``, ``tokens``, ``token_types``, ``merges``, ``special`` (name -> id
-    for bos/eos/unk/pad), ``add_bos`` and ``chat_template`` (or None).
+    for bos/eos/unk/pad: ``tokenizer_config.json``'s ``<name>_token``, else ``config``'s
+    ``<name>_token_id``, as ``convert_hf_to_gguf.py`` reads them), ``add_bos`` and
+    ``chat_template`` (or None).
 
     Raises:
         FileNotFoundError: without ``tokenizer.json``.
@@ -322,6 +343,10 @@ def tokenizer_metadata(checkpoint_dir: Path, vocab_size: int) -> Dict[str, Any]:
     special = {}
     for name in ("bos", "eos", "unk", "pad"):
         i = _token_id(tok_config.get(f"{name}_token"), vocab)
+        if i is None and config is not None:
+            i = config.get(f"{name}_token_id")
+            valid = isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+            i = i if valid else None
         if i is not None:
             special[name] = i
     add_bos = tok_config.get("add_bos_token")
@@ -340,8 +365,6 @@ def tokenizer_metadata(checkpoint_dir: Path, vocab_size: int) -> Dict[str, Any]:
 
 # ---- writing ------------------------------------------------------------------------------------
 def _write_metadata(writer: gguf.GGUFWriter, hp: Mapping[str, Any], tok: Mapping[str, Any], dtype: str) -> None:
-    if hp["name"]:
-        writer.add_name(hp["name"])
     writer.add_context_length(hp["context"])
     writer.add_embedding_length(hp["hidden"])
     writer.add_block_count(hp["layers"])
@@ -364,21 +387,22 @@ def _write_metadata(writer: gguf.GGUFWriter, hp: Mapping[str, Any], tok: Mapping
     writer.add_token_merges(tok["merges"])
     for name, i in tok["special"].items():
         getattr(writer, {"unk": "add_unk_token_id"}.get(name, f"add_{name}_token_id"))(i)
+    # byte-level BPE: no space before the text (a tokenizer that adds one is refused above)
+    writer.add_add_space_prefix(False)
     writer.add_add_bos_token(tok["add_bos"])
     if tok["chat_template"]:
         writer.add_chat_template(tok["chat_template"])
 
 
 def export_gguf(checkpoint_dir: Path, dtype: str, output: Path) -> Path:
-    """Write the merged weights of ``checkpoint_dir`` as one GGUF file ``output``.
+    """Write the merged weights of the Hugging Face checkpoint ``checkpoint_dir`` as one GGUF
+    file ``output`` (its ``general.*`` keys from the directory: :func:`model_metadata`).
 
     Args:
         checkpoint_dir (Path): a Hugging Face checkpoint directory (``config.json``,
             ``model*.safetensors``, ``tokenizer.json``; squash's ``epoch_N``/``step_N``).
-        dtype (str): ``"f16"`` or ``"q8_0"`` for the 2-D weights (norms and biases stay F32;
-            a weight whose rows are not a multiple of 32 stays F16 under Q8_0).
-        output (Path): the file to write; its directory must exist. Written to a temporary file
-            in the same directory, then renamed.
+        dtype (str): ``"f16"`` or ``"q8_0"`` (see :func:`write_gguf`).
+        output (Path): the file to write; its directory must exist.
 
     Returns:
         Path: ``output``.
@@ -388,26 +412,71 @@ def export_gguf(checkpoint_dir: Path, dtype: str, output: Path) -> Path:
         UnsupportedModelError: a family, rotary scaling or tokenizer GGUF cannot carry.
         ValueError: weights that do not match ``config.json``, or an unknown ``dtype``.
     """
-    if dtype not in GGUF_DTYPES:
-        raise ValueError(f"GGUF dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
-    checkpoint_dir, output = Path(checkpoint_dir), Path(output)
+    checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+    _check_dtype(dtype)
+    config = _read_json(checkpoint_dir / "config.json")
+    _hparams(config)  # an unsupported family fails before the weights are read
+    _, weights = load_merged_checkpoint(checkpoint_dir)
+    meta = model_metadata(checkpoint_dir)
+    source = f"the Hugging Face checkpoint {checkpoint_dir.name}"
+    return write_gguf(config, weights, checkpoint_dir, dtype, output, meta, source)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not one of {list(GGUF_DTYPES)}")
+
+
+def write_gguf(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    tokenizer_dir: Path,
+    dtype: str,
+    output: Path,
+    meta: Metadata,
+    source: str,
+) -> Path:
+    """Write a model given as Hugging Face ``config.json`` and weights as one GGUF file.
+
+    Args:
+        config (Mapping[str, Any]): the model's ``config.json``.
+        weights (Mapping[str, torch.Tensor]): its weights with Hugging Face's keys.
+        tokenizer_dir (Path): the directory with ``tokenizer.json``, ``tokenizer_config.json``
+            and the chat template.
+        dtype (str): ``"f16"`` or ``"q8_0"`` for the 2-D weights (norms and biases stay F32;
+            a weight whose rows are not a multiple of 32 stays F16 under Q8_0).
+        output (Path): the file to write; its directory must exist. Written to a temporary file
+            in the same directory, then renamed.
+        meta (Metadata): the ``general.*`` keys (:mod:`squash.export.gguf_general`).
+        source (str): what the weights were read from, for ``general.description``.
+
+    Returns:
+        Path: ``output``.
+
+    Raises:
+        FileNotFoundError: a missing tokenizer or output directory.
+        UnsupportedModelError: a family, rotary scaling or tokenizer GGUF cannot carry.
+        ValueError: weights that do not match ``config``, or an unknown ``dtype``.
+    """
+    _check_dtype(dtype)
+    output = Path(output)
     if not output.parent.is_dir():
         raise FileNotFoundError(f"Output directory {output.parent} does not exist")
-    hp = _hparams(_read_json(checkpoint_dir / "config.json"))
-    tok = tokenizer_metadata(checkpoint_dir, hp["vocab"])
-    _, weights = load_merged_checkpoint(checkpoint_dir)
-    _check_weights(weights, hp, checkpoint_dir)
+    hp = _hparams(config)
+    tok = tokenizer_metadata(Path(tokenizer_dir), hp["vocab"], config)
+    _check_weights(weights, hp, Path(tokenizer_dir))
 
     arch = gguf.MODEL_ARCH_NAMES[SUPPORTED_ARCHITECTURES[hp["architecture"]][0]]
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch)
-        _write_metadata(writer, hp, tok, dtype)
         for name, data, raw_dtype in _gguf_tensors(weights, hp, dtype):
             writer.add_tensor(name, data, raw_dtype=raw_dtype)
+        add_general(writer, meta, writer.get_total_parameter_count(), source)
+        _write_metadata(writer, hp, tok, dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -452,37 +521,14 @@ def _parse_export_block(block: Any) -> Dict[str, List[str]]:
         raise ValueError(f"export: expected a mapping such as {{gguf: [f16, q8_0]}}, got {block!r}")
     unknown = sorted(set(block) - {"gguf"})
     if unknown:
-        raise ValueError(f"export: unknown format(s) {unknown}; known: ['gguf']")
+        # export={gguf:f16} on the command line reads as the key 'gguf:f16' (no space after ':')
+        hint = "; on the command line write export.gguf=f16 or 'export.gguf=[f16,q8_0]'" if any(
+            ":" in str(k) for k in unknown
+        ) else ""
+        raise ValueError(f"export: unknown format(s) {unknown}; known: ['gguf']{hint}")
     dtypes = block.get("gguf") or []
     dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     bad = [d for d in dtypes if d not in GGUF_DTYPES]
     if bad:
         raise ValueError(f"export.gguf: unknown dtype(s) {bad}; known: {list(GGUF_DTYPES)}")
     return {"gguf": dtypes} if dtypes else {}
-
-
-def export_checkpoint(
-    checkpoint_dir: Path, formats: Any, output_dir: Optional[Path] = None
-) -> List[Path]:
-    """The exports a recipe's ``export`` config block asks for, of one finished checkpoint.
-
-    ``formats`` is that block (see :func:`parse_export_config`), e.g. ``{"gguf": ["f16",
-    "q8_0"]}``. Files are named ``<checkpoint name>-<dtype>.gguf`` and go to ``output_dir``
-    (default: ``gguf/`` beside the checkpoint, so the checkpoint directory itself, with its
-    recorded hashes, stays as it was written).
-
-    Returns:
-        List[Path]: the files written.
-
-    Raises:
-        ValueError: an unknown format or dtype, naming the ``export`` key.
-        UnsupportedModelError, FileNotFoundError: from :func:`export_gguf`.
-    """
-    checkpoint_dir = Path(checkpoint_dir)
-    dtypes = parse_export_config(formats).get("gguf", [])
-    output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "gguf"
-    if dtypes:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    return [
-        export_gguf(checkpoint_dir, d, output_dir / f"{checkpoint_dir.name}-{d}.gguf") for d in dtypes
-    ]

@@ -9,6 +9,11 @@ once every other file is in the temporary directory. ``checkpoint.json`` then re
 - ``files``: ``{relative path: {"sha256", "size"}}`` of every other file of the directory;
 - ``config``: the resolved config of the run that wrote it (from its lock, see
   :mod:`squash.training.run_dir`; None when written outside a run);
+- ``base``: the base model the run read (``checkpointer.checkpoint_dir``) as
+  :func:`directory_record` recorded it when the run started: its path and the sha256 and size
+  of each of its files, so an export or chat that merges the adapter into that base can check
+  it is the same (:func:`verify_directory`); None when written outside a run, and absent from
+  checkpoints written before runs recorded it;
 - ``sha256``: of the canonical JSON of all of the above, so an edit of ``checkpoint.json`` itself
   is caught too.
 
@@ -85,10 +90,60 @@ def write_meta(
         "counters": {k: recipe_state[k] for k in COUNTERS if k in recipe_state},
         "files": file_table(path),
         "config": lock.get("config") if lock.get("pid") == os.getpid() else None,
+        "base": lock.get("base") if lock.get("pid") == os.getpid() else None,
     }
     full["sha256"] = _self_hash(full)
     (Path(path) / META_FILE).write_text(json.dumps(full, indent=2, sort_keys=True))
     return full
+
+
+def directory_record(path: Path) -> Dict[str, Any]:
+    """What a run records of a directory it reads (the base model): ``{"path": resolved path,
+    "files": {name: {"sha256", "size"}}}`` of every regular file directly in ``path``."""
+    path = Path(path).resolve()
+    files = {
+        f.name: {"sha256": file_sha256(f), "size": f.stat().st_size}
+        for f in sorted(path.iterdir())
+        if f.is_file()
+    }
+    return {"path": str(path), "files": files}
+
+
+def verify_directory(record: Dict[str, Any], path: Path, what: str) -> Path:
+    """Check that the directory ``path`` holds exactly the files ``record``
+    (:func:`directory_record`) lists, with their sizes and sha256.
+
+    Args:
+        record (Dict[str, Any]): what was recorded.
+        path (Path): the directory to check (the recorded one, or one the user names).
+        what (str): how errors name the record, e.g. ``"the base recorded in .../checkpoint.json"``.
+
+    Returns:
+        Path: ``path``.
+
+    Raises:
+        CheckpointIntegrityError: naming the first file that is missing, not recorded, or of
+            another size or sha256, or a directory that does not exist.
+    """
+    path = Path(path)
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointIntegrityError(f"{what} lists no files; it cannot be checked")
+    if not path.is_dir():
+        raise CheckpointIntegrityError(f"{path}, {what}, does not exist")
+    on_disk = {f.name for f in path.iterdir() if f.is_file()}
+    for name in sorted(set(files) - on_disk):
+        raise CheckpointIntegrityError(f"{path / name} is missing; {what} has it")
+    for name in sorted(on_disk - set(files)):
+        raise CheckpointIntegrityError(f"{path / name} is not in {what}: the directory changed")
+    for name, want in sorted(files.items()):
+        f = path / name
+        if f.stat().st_size != want.get("size") or file_sha256(f) != want.get("sha256"):
+            raise CheckpointIntegrityError(
+                f"{f} is not the file {what} has (another size or sha256): the base model "
+                "changed since the run read it"
+            )
+    return path
 
 
 def read_verified_meta(path: Path) -> Dict[str, Any]:

@@ -9,7 +9,9 @@
 2. :class:`RunLock` takes ``output_dir/.squash-run.lock``: an advisory ``flock`` held for the
    run's lifetime, the file naming the process (pid, host, start time, command) and holding the
    run's resolved config (each checkpoint copies it into ``checkpoint.json``, for the resume
-   check of :mod:`squash.training.resume_config`). The kernel drops a ``flock`` when its process
+   check of :mod:`squash.training.resume_config`) and the sha256 of each file of the base model
+   (``checkpointer.checkpoint_dir``; copied too, for an export or chat that merges the adapter
+   into that base). The kernel drops a ``flock`` when its process
    dies, however it dies: a lock file left by a killed run is taken over with a warning naming
    that run; a live run's lock refuses the second run, naming the first. Temporary directories
    of an interrupted save are cleaned only once the lock is held, so start-up never deletes
@@ -175,13 +177,20 @@ class RunLock:
     Args:
         output_dir (Path): the run's output directory (created if missing).
         run_config (Optional[Dict[str, Any]]): the run's resolved config, recorded in the lock.
+        base (Optional[Dict[str, Any]]): :func:`squash.training.manifest.directory_record` of
+            the base model, recorded in the lock (each checkpoint copies it).
 
     Raises:
         RuntimeError: another live run holds the lock; the message names it.
         OSError: ``output_dir`` cannot be created or written, naming it.
     """
 
-    def __init__(self, output_dir: Path, run_config: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        run_config: Optional[Dict[str, Any]] = None,
+        base: Optional[Dict[str, Any]] = None,
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
         try:
@@ -195,6 +204,7 @@ class RunLock:
             "started": time.time(),
             "command": " ".join(sys.argv),
             "config": run_config,
+            "base": base,
         }
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps(self.record, indent=2, sort_keys=True).encode(), 0)
@@ -283,4 +293,13 @@ def claim(cfg: DictConfig, *, lock: bool = True) -> Optional[RunLock]:
     manifest.verify_inputs(cfg)
     if not lock:
         return None
-    return RunLock(out, OmegaConf.to_container(cfg, resolve=True))
+    return RunLock(out, OmegaConf.to_container(cfg, resolve=True), base=_base_record(cfg))
+
+
+def _base_record(cfg: DictConfig) -> Optional[Dict[str, Any]]:
+    """:func:`squash.training.manifest.directory_record` of ``checkpointer.checkpoint_dir``
+    (None without one): what an export or chat merging an adapter-only checkpoint checks."""
+    base = _get(cfg, "checkpointer.checkpoint_dir")
+    if not isinstance(base, str) or not Path(base).is_dir():
+        return None
+    return {"key": "checkpointer.checkpoint_dir", **manifest.directory_record(Path(base))}

