@@ -166,8 +166,11 @@ def plan(task: str, done: dict, quick: bool = False) -> list:
     widen = 1 if quick else MAX_WIDEN
     seeds = SEEDS[:2] if quick else SEEDS
     out, best, todo = [], {}, {}
-    for arm in CORE + OTHER:
+    for arm in CORE:
         todo[arm], best[arm] = sweep_state(done, arm, grid, widen)
+    for arm in OTHER:  # --quick: one lr, the sweep's code path without its runs
+        todo[arm], best[arm] = sweep_state(done, arm, grid[:1] if quick else grid,
+                                           0 if quick else widen)  # fmt: skip
 
     def add(stage, arm, lr, seeds, frac=1.0):
         out.extend((stage, run_id(arm, lr, s, frac), arm, lr, s, frac) for s in seeds)
@@ -186,7 +189,7 @@ def plan(task: str, done: dict, quick: bool = False) -> list:
         if best[arm] is not None:
             add(3, arm, best[arm], seeds, frac=0.25)
     if task == "unicode" and best["squash"] is not None:
-        for arm in LEVERS:
+        for arm in QUICK_LEVERS if quick else LEVERS:
             add(4, arm, best["squash"], [0])
     return out
 
@@ -194,6 +197,8 @@ def plan(task: str, done: dict, quick: bool = False) -> list:
 CORE, OTHER = ["qlora_r16", "squash"], ["squash_a", "lora_dense"]
 LEVERS = ["squash_static", "squash_svd", "squash_rslora", "squash_every5", "squash_drop10",
           "squash_drop50", "squash_until_end", "squash_s80", "squash_s95", "squash_loraplus"]  # fmt: skip
+# --quick: one lever of each code path (mask off, SVD init, two optimizer groups, another rank)
+QUICK_LEVERS = ["squash_static", "squash_svd", "squash_loraplus", "squash_s80"]
 
 
 def final(record: dict) -> dict:
@@ -222,6 +227,7 @@ class Claim:
         except OSError:
             self._f.close()
             raise
+        self._f.truncate(0)
         self._f.write(f"{os.getpid()}\n")
         self._f.flush()
 
@@ -346,11 +352,16 @@ def recipe_config(task: str, arm: dict, lr: float, seed: int, frac: float, run_d
     return cfg
 
 
-def write_json(path: Path, obj: dict) -> None:
+def write_text(path: Path, text: str) -> None:
+    """``text`` at ``path``, written to a temporary file and renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def machine() -> str:
@@ -368,9 +379,10 @@ def machine() -> str:
 
 
 def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: dict, ckpt: Path,
-            out: Path, work: Path, data: dict, n_train: int, device: str, dtype: str) -> dict:  # fmt: skip
+            out: Path, work: Path, data: dict, n_train: int, device: str, dtype: str,
+            keep: bool = False) -> dict:  # fmt: skip
     """One run, resumed where a killed one stopped; its record is rewritten after every
-    point."""
+    point. A finished run's checkpoints are deleted unless ``keep``."""
     from squash_finetune import SquashFinetuneRecipeSingleDevice
 
     rid = run_id(arm["key"], lr, seed, frac)
@@ -433,7 +445,7 @@ def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: di
     rec["sessions"][-1]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     rec["sessions"][-1]["seconds"] = time.perf_counter() - t_start
     write_json(out, rec)
-    if rec["done"]:
+    if rec["done"] and not keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return rec
 
@@ -488,7 +500,7 @@ def work_loop(args) -> None:
                   f"data {frac:g})", flush=True)  # fmt: skip
             run_one(task, by_key[arm], lr, seed, frac, size=size, ckpt=ckpt,
                     out=results / task / f"{rid}.json", work=work, data=data, n_train=n_train,
-                    device=args.device, dtype=args.dtype)  # fmt: skip
+                    device=args.device, dtype=args.dtype, keep=args.keep_checkpoints)  # fmt: skip
         finally:
             claim.release()
         ran += 1
@@ -504,6 +516,187 @@ def _n_train(task: str) -> int:
     return len(python_doc_splits()["train"])
 
 
+# ---- statistics and the report -------------------------------------------------------------
+def mean_std(values: list) -> tuple:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def welch(a: list, b: list) -> dict:
+    """Welch's t of ``mean(a) - mean(b)``, its Welch-Satterthwaite degrees of freedom and the
+    two-sided p; nan where either side has fewer than 2 values or neither has spread."""
+    nan = {"t": math.nan, "df": math.nan, "p": math.nan}
+    if len(a) < 2 or len(b) < 2:
+        return nan
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return nan
+    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    from scipy.stats import t as student_t
+
+    return {"t": t, "df": df, "p": float(2 * student_t.sf(abs(t), df))}
+
+
+def load_records(task_dir: Path) -> list:
+    return [json.loads(p.read_text()) for p in sorted(task_dir.glob("*.json"))]
+
+
+def rows(records: list, steps: int) -> dict:
+    """Finished runs grouped as ``{(arm, frac): {"sweep": {lr: record of seed 0}, "best": lr,
+    "seeds": [records at the best lr, seed order]}}``; the best lr is the sweep's lowest final
+    validation loss (for a row that was not swept, its one lr)."""
+    out = {}
+    for r in records:
+        if r.get("done") and r["points"][-1]["step"] == steps:
+            g = out.setdefault((r["arm"]["key"], r["frac"]), {"by_lr": {}})
+            g["by_lr"].setdefault(r["lr"], []).append(r)
+    for g in out.values():
+        sweep = {lr: next((r for r in rs if r["seed"] == 0), None) for lr, rs in g["by_lr"].items()}
+        g["sweep"] = {lr: r for lr, r in sweep.items() if r is not None}
+        if g["sweep"]:
+            g["best"] = min(g["sweep"], key=lambda lr: (final(g["sweep"][lr])["val"]["loss"], lr))
+        else:
+            g["best"] = min(g["by_lr"])
+        g["seeds"] = sorted(g["by_lr"][g["best"]], key=lambda r: r["seed"])
+    return out
+
+
+def curve(records: list, split: str, metric: str) -> tuple:
+    """``(steps, means, mins, maxs)`` of ``metric`` over ``records`` (seeds) at each step."""
+    steps = [p["step"] for p in records[0]["points"]]
+    vals = [[r["points"][i][split][metric] for r in records] for i in range(len(steps))]
+    return steps, [statistics.fmean(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def _pm(values: list, fmt: str = ".3f") -> str:
+    m, s = mean_std(values)
+    return f"{m:{fmt}} +/- {s:{fmt}}" if len(values) > 1 else f"{m:{fmt}}"
+
+
+def _t(w: dict) -> str:
+    return "n/a" if math.isnan(w["t"]) else f"{w['t']:+.2f} ({w['df']:.1f}, p={w['p']:.3g})"
+
+
+def task_report(task: str, records: list, size: dict) -> tuple:
+    """The markdown of one task and the data of its plot."""
+    g = rows(records, size["steps"])
+    lines = [f"### {task}", ""]
+    if not g:
+        return lines + ["No finished run yet.", ""], g
+    base = next(r["points"][0] for r in records if r["points"])
+    lines += [f"Before fine-tuning (step 0, NF4 base): test loss {base['test']['loss']:.3f}, "
+              f"exact match {base['test']['exact_match']:.3f}.", "",
+              f"At step {size['steps']} (batch {size['batch']}; mean +/- sample std over seeds; "
+              "Welch's t against QLoRA r=16 on the same data: t (df, p)):", "",
+              "| arm | data | memory vs QLoRA r=16 | lr sweep: final val loss | best lr | seeds | "
+              "test loss | test exact match | t (loss) | t (exact match) |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]  # fmt: skip
+    order = list(arms(size["steps"]))
+    for (key, frac), row in sorted(g.items(), key=lambda kv: (kv[0][1] != 1.0, order.index(kv[0][0]))):
+        arm = row["seeds"][0]["arm"]
+        cells = "; ".join(
+            (f"**{lr:.0e}: {final(r)['val']['loss']:.3f}**" if lr == row["best"] else
+             f"{lr:.0e}: {final(r)['val']['loss']:.3f}") for lr, r in sorted(row["sweep"].items())
+        ) if len(row["sweep"]) > 1 else "(fixed)"  # fmt: skip
+        loss = [final(r)["test"]["loss"] for r in row["seeds"]]
+        em = [final(r)["test"]["exact_match"] for r in row["seeds"]]
+        ref = g.get(("qlora_r16", frac))
+        if ref is not None and key != "qlora_r16":
+            tl = _t(welch(loss, [final(r)["test"]["loss"] for r in ref["seeds"]]))
+            te = _t(welch(em, [final(r)["test"]["exact_match"] for r in ref["seeds"]]))
+        else:
+            tl = te = ""
+        lines.append(f"| {arm['name']} | {frac:g} | {arm['vs_qlora_r16']:.2f}x | {cells} | "
+                     f"{row['best']:.0e} | {len(row['seeds'])} | {_pm(loss)} | {_pm(em)} | {tl} | "
+                     f"{te} |")  # fmt: skip
+    steps = curve(next(iter(g.values()))["seeds"], "test", "loss")[0]
+    lines += ["", "Test loss (exact match) against step, mean over seeds, full data:", "",
+              "| arm | " + " | ".join(str(s) for s in steps) + " |",
+              "|---|" + "---:|" * len(steps)]  # fmt: skip
+    for (key, frac), row in g.items():
+        if frac != 1.0 or key in LEVERS:
+            continue
+        _, lo, _, _ = curve(row["seeds"], "test", "loss")
+        _, em, _, _ = curve(row["seeds"], "test", "exact_match")
+        lines.append(f"| {row['seeds'][0]['arm']['name']} | "
+                     + " | ".join(f"{a:.3f} ({b:.2f})" for a, b in zip(lo, em)) + " |")
+    hours = sum(sess.get("seconds", 0) for r in records for sess in r["sessions"]) / 3600
+    hosts = sorted({sess["machine"] for r in records for sess in r["sessions"]})
+    lines += ["", f"{len(records)} runs, {hours:.1f} h of run time in all; hosts: "
+              + "; ".join(hosts) + ".", ""]
+    return lines, g
+
+
+def plot(path: Path, groups: dict, task: str) -> None:
+    """Test loss and exact match against step, one line per arm (mean over seeds) with the
+    seeds' range shaded; full data solid, a quarter dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"qlora_r16": "tab:blue", "squash": "tab:red", "squash_a": "tab:orange",
+              "lora_dense": "tab:gray"}  # fmt: skip
+    for (key, frac), row in sorted(groups.items()):
+        if key not in colors:
+            continue
+        label = row["seeds"][0]["arm"]["name"] + ("" if frac == 1.0 else f", {frac:g} of the data")
+        for ax, metric in zip(axes, ("loss", "exact_match")):
+            x, m, lo, hi = curve(row["seeds"], "test", metric)
+            ls = "-" if frac == 1.0 else "--"
+            ax.plot(x, m, ls, color=colors[key], label=f"{label} ({len(row['seeds'])} seeds)")
+            ax.fill_between(x, lo, hi, color=colors[key], alpha=0.15)
+    axes[0].set(xlabel="step (batch 8)", ylabel="test loss per answer token", yscale="log")
+    axes[1].set(xlabel="step (batch 8)", ylabel="test exact match")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M-Instruct, task {task}: QLoRA r=16 against squash at equal memory")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def report(results: Path, tasks: list, size: dict) -> str:
+    """The markdown of every task (and a PNG per task beside ``results``)."""
+    lines = ["# Learning curves: QLoRA r=16 against squash at equal memory", "",
+             "Written by `python benchmarks/quality_curves.py report` from the run files in "
+             f"`{results.relative_to(ROOT) if results.is_relative_to(ROOT) else results}/`.", ""]  # fmt: skip
+    for task in tasks:
+        recs = load_records(results / task)
+        text, groups = task_report(task, recs, size)
+        lines += text
+        if groups:
+            png = results / f"{task}.png"
+            plot(png, groups, task)
+            lines += [f"![{task}]({png.name})", ""]
+    return "\n".join(lines)
+
+
+def status(results: Path, work: Path, tasks: list, size: dict, quick: bool) -> str:
+    out = []
+    for task in tasks:
+        done = load_done(results / task, size["steps"])
+        partial = [r for r in load_records(results / task) if not r.get("done")]
+        todo = [q for q in plan(task, done, quick) if q[1] not in done]
+        running = []
+        for q in todo:
+            try:
+                Claim(work, f"{task}_{q[1]}").release()
+            except OSError:
+                running.append(q[1])
+        waiting = [q[1] for q in todo if q[1] not in running]
+        out.append(f"{task}: {len(done)} done; running: {', '.join(running) or 'none'}; "
+                   "stopped part-way: "
+                   + (", ".join(f"{r['id']} at step {r['points'][-1]['step'] if r['points'] else 0}"
+                                for r in partial if r["id"] not in running) or "none")
+                   + f"; queued now: {len(waiting)}" + (f" (next {waiting[0]})" if waiting else ""))  # fmt: skip
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("command", choices=["work", "status", "report"])
@@ -514,13 +707,23 @@ def main(argv=None) -> None:
     p.add_argument("--work", type=Path, default=None, help="claims and run checkpoints")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-runs", type=int, default=None)
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's checkpoints in --work (default: deleted)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = p.parse_args(argv)
     if args.command == "work":
-        work_loop(args)
+        return work_loop(args)
+    size = dict(QUICK if args.quick else FULL)
+    results = args.results or (RESULTS.with_name("quality_curves_quick") if args.quick else RESULTS)
+    tasks = args.tasks.split(",")
+    if args.command == "status":
+        print(status(results, args.work or WORK, tasks, size, args.quick))
     else:
-        raise SystemExit(f"{args.command}: not yet")
+        text = report(results, tasks, size)
+        write_text(results / "README.md", text)
+        print(text)
+        print(f"Wrote {results / 'README.md'} and a PNG per task beside it")
 
 
 if __name__ == "__main__":

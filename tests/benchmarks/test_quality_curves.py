@@ -1,0 +1,262 @@
+"""benchmarks/quality_curves.py against independent computations: the sweep's widening and the
+queue's order worked by hand, exact match against greedy decoding, loss by hand, Welch's t
+against scipy, the report's means and spreads against the per-seed values; and (smollm2, slow)
+a ``--quick`` run of every stage whose final points equal a direct evaluation of the saved
+adapters by another scorer and by greedy decoding."""
+
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+qc = _load("quality_curves")
+
+
+def record(arm, lr, seed, val, test=(1.0, 0.0), frac=1.0, steps=200, losses=None):
+    """A finished run's record with a final validation loss ``val``; ``losses`` the test losses
+    at every point (default: ``test[0]`` at the last)."""
+    points = []
+    pts = losses or [test[0]]
+    for i, lo in enumerate(pts):
+        step = steps * (i + 1) // len(pts)
+        points.append({"step": step, "val": {"loss": val, "exact_match": 0.0},
+                       "test": {"loss": lo, "exact_match": test[1]}})  # fmt: skip
+    arms = qc.arms(steps)
+    return {"id": qc.run_id(arm, lr, seed, frac), "arm": arms[arm], "lr": lr, "seed": seed,
+            "frac": frac, "points": points, "done": True, "sessions": []}  # fmt: skip
+
+
+def done_of(*recs):
+    return {r["id"]: r for r in recs}
+
+
+# ---- the queue ------------------------------------------------------------------------------
+def test_sweep_widens_past_an_edge_and_stops_inside():
+    grid = [1e-3, 3e-3, 1e-2]
+    assert qc.sweep_state({}, "qlora_r16", grid) == (grid, None)
+    # best at the high edge: widen to 3e-2
+    d = done_of(*(record("qlora_r16", lr, 0, v) for lr, v in zip(grid, [1.3, 1.2, 1.1])))
+    assert qc.sweep_state(d, "qlora_r16", grid) == ([3e-2], None)
+    # 3e-2 worse: 1e-2 is inside the grid now
+    d.update(done_of(record("qlora_r16", 3e-2, 0, 1.15)))
+    assert qc.sweep_state(d, "qlora_r16", grid) == ([], 1e-2)
+    # best at the low edge twice: widened twice (1e-4 is two ladder steps down), then stops
+    d = done_of(*(record("squash", lr, 0, v) for lr, v in zip(grid, [1.0, 1.2, 1.3])))
+    assert qc.sweep_state(d, "squash", grid) == ([3e-4], None)
+    d.update(done_of(record("squash", 3e-4, 0, 0.9)))
+    assert qc.sweep_state(d, "squash", grid) == ([1e-4], None)
+    d.update(done_of(record("squash", 1e-4, 0, 0.8)))
+    assert qc.sweep_state(d, "squash", grid) == ([], 1e-4)  # still at the edge: max_widen spent
+
+
+def test_plan_orders_the_stages():
+    grid = qc.FIRST_GRID
+    p = qc.plan("unicode", {})
+    assert [q[0] for q in p] == sorted(q[0] for q in p)  # stages in order
+    assert [(q[2], q[3]) for q in p if q[0] == 0] == [
+        (a, lr) for lr in grid for a in ("qlora_r16", "squash")]  # interleaved sweeps
+    assert {q[0] for q in p} == {0, 2}  # no seeds, quarter data or levers before a best lr
+    d = done_of(*(record(a, lr, 0, v) for a in ("qlora_r16", "squash")
+                  for lr, v in zip(grid, [1.2, 1.1, 1.3])))  # fmt: skip
+    p = qc.plan("unicode", d)
+    seeds = [(q[2], q[3], q[4]) for q in p if q[0] == 1]
+    assert seeds == [("qlora_r16", 3e-3, 1), ("qlora_r16", 3e-3, 2), ("squash", 3e-3, 1),
+                     ("squash", 3e-3, 2)]  # fmt: skip
+    quarter = [(q[2], q[4], q[5]) for q in p if q[0] == 3]
+    assert quarter == [(a, s, 0.25) for a in ("qlora_r16", "squash") for s in (0, 1, 2)]
+    assert [q[2] for q in p if q[0] == 4] == qc.LEVERS and {q[3] for q in p if q[0] == 4} == {3e-3}
+    assert not [q for q in qc.plan("pydocs", d) if q[0] == 4]  # levers on the first task only
+
+
+def test_arms_at_equal_memory():
+    a = qc.arms(200)
+    assert (a["squash"]["rank"], a["squash_a"]["rank"], a["lora_dense"]["rank"]) == (143, 28, 143)
+    for key, arm in a.items():  # every squash arm within QLoRA r=16's bytes
+        if arm.get("sparsity") is not None:
+            assert 0.98 < arm["vs_qlora_r16"] <= 1.0, key
+    assert a["squash"]["mask_update"] == {"every_n_steps": 10, "drop_fraction": 0.3,
+                                          "until_step": 150}  # fmt: skip
+    assert a["squash_rslora"]["alpha"] / 143 == pytest.approx(8 / math.sqrt(143))
+
+
+def test_config_epochs_cover_the_steps():
+    arm = qc.arms(200)["squash"]
+    size = dict(qc.FULL)
+    for n_train, frac, epochs, per in ((885, 1.0, 2, 100), (885, 0.25, 8, 25), (824, 1.0, 2, 100),
+                                       (824, 0.25, 8, 25)):  # fmt: skip
+        cfg = qc.recipe_config("unicode", arm, 1e-3, 0, frac, Path("/x"), Path("/c"), size, n_train,
+                               "cpu", "fp32", False)  # fmt: skip
+        assert (cfg["epochs"], cfg["max_steps_per_epoch"]) == (epochs, per)
+        assert cfg["dataset"].get("max_samples") == (None if frac == 1 else round(n_train / 4))
+
+
+# ---- scoring --------------------------------------------------------------------------------
+def greedy(table, start, limit):
+    """Greedy decoding over a fixed next-token table from position ``start``."""
+    return [int(table[p]) for p in range(start, min(limit, len(table)))]
+
+
+@pytest.mark.parametrize("task", ["unicode", "pydocs"])
+def test_exact_match_is_greedy_decoding(task):
+    """A row matches iff greedy decoding from the prompt returns the metric's tokens: the whole
+    answer up to its stop token (unicode), the first ``required`` tokens (pydocs)."""
+    vocab, stop, s = 6, 5, 8
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(300):
+        table = torch.randint(0, vocab, (s,), generator=g)
+        n_prompt = int(torch.randint(1, 3, (), generator=g))
+        n_ans = int(torch.randint(2, s - n_prompt, (), generator=g))
+        ans = torch.randint(0, vocab, (n_ans,), generator=g).tolist()
+        if task == "unicode":
+            ans[-1] = stop
+            tok = type("Tok", (), {"stop_tokens": [stop]})()
+            labels = [qc.IGNORE] * n_prompt + ans + [qc.IGNORE] * (s - n_prompt - n_ans)
+            required = qc.required_tokens("unicode", {"labels": labels}, "", tok)
+        else:
+            required = int(torch.randint(1, n_ans + 1, (), generator=g))
+            labels = [qc.IGNORE] * n_prompt + ans + [qc.IGNORE] * (s - n_prompt - n_ans)
+        # position t's logits predict labels[t + 1]; greedy starts at the prompt's last position
+        table[torch.randint(0, s, (1,), generator=g)] = ans[0]  # some rows match
+        logits = torch.nn.functional.one_hot(table, vocab).float()[None] * 4.0
+        out = greedy(table, n_prompt - 1, s)
+        want = out[:required] == ans[:required]
+        _, _, hits = qc.score_batch(logits, torch.tensor([labels]), [required])
+        assert hits == [want]
+        seen.add(want)
+    assert seen == {True, False}
+
+
+def test_loss_by_hand():
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[qc.IGNORE, 2, 0]])
+    ce, n, hits = qc.score_batch(logits, labels, [1])
+    lse0, lse1 = math.log(1 + math.e + math.e**2), math.log(math.e + 2)
+    assert ce == pytest.approx((lse0 - 2.0) + (lse1 - 1.0)) and n == 2 and hits == [True]
+
+
+def test_welch_against_scipy():
+    a, b = [1.71, 1.75, 1.69], [1.73, 1.78, 1.81]
+    w = qc.welch(a, b)
+    ref = stats.ttest_ind(a, b, equal_var=False)
+    assert w["t"] == pytest.approx(ref.statistic) and w["p"] == pytest.approx(ref.pvalue)
+    assert math.isnan(qc.welch([1.0], b)["t"]) and math.isnan(qc.welch([1.0, 1.0], [2.0, 2.0])["t"])
+
+
+def test_report_numbers_from_per_seed_values(tmp_path):
+    grid = qc.FIRST_GRID
+    recs = [record("qlora_r16", lr, 0, v, (t, 0.1)) for lr, v, t in
+            zip(grid, [1.2, 1.1, 1.3], [1.5, 1.4, 1.6])]  # fmt: skip
+    recs += [record("qlora_r16", 3e-3, s, 9.0, (t, e)) for s, t, e in ((1, 1.45, 0.2), (2, 1.38, 0.3))]
+    recs += [record("squash", 3e-3, s, 1.0, (t, e)) for s, t, e in
+             ((0, 1.30, 0.3), (1, 1.33, 0.25), (2, 1.28, 0.4))]  # fmt: skip
+    text, groups = qc.task_report("unicode", recs, dict(qc.FULL))
+    q, sq = groups[("qlora_r16", 1.0)], groups[("squash", 1.0)]
+    assert q["best"] == 3e-3 and [r["seed"] for r in q["seeds"]] == [0, 1, 2]
+    row = next(line for line in text if line.startswith("| squash r=143"))
+    ql, sl = [1.4, 1.45, 1.38], [1.30, 1.33, 1.28]
+    assert f"{statistics.fmean(sl):.3f} +/- {statistics.stdev(sl):.3f}" in row
+    ref = stats.ttest_ind(sl, ql, equal_var=False)
+    assert f"{ref.statistic:+.2f}" in row and f"p={ref.pvalue:.3g}" in row
+    em = stats.ttest_ind([0.3, 0.25, 0.4], [0.1, 0.2, 0.3], equal_var=False)
+    assert f"{em.statistic:+.2f}" in row
+    qrow = next(line for line in text if line.startswith("| QLoRA r=16 |"))
+    assert "**3e-03: 1.100**" in qrow and "1e-03: 1.200" in qrow
+    assert sq["best"] == 3e-3
+
+
+# ---- a quick run of every stage on the real model -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_quick_run_of_every_stage(smollm2_checkpoint, tmp_path):
+    res, work = tmp_path / "res", tmp_path / "work"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality_curves.py"), "work", "--quick",
+           "--checkpoint-dir", str(smollm2_checkpoint), "--results", str(res), "--work",
+           str(work), "--keep-checkpoints", "--threads", "2"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'recipes'}")
+    proc = subprocess.run(cmd + ["--tasks", "unicode"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(cmd + ["--tasks", "pydocs", "--max-runs", "1"], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    size = dict(qc.QUICK)
+    done = qc.load_done(res / "unicode", size["steps"])
+    assert not [q for q in qc.plan("unicode", done, quick=True) if q[1] not in done]  # all ran
+    stages = {r["arm"]["key"] for r in done.values()}
+    assert set(qc.QUICK_LEVERS) <= stages and {"squash_a", "lora_dense"} <= stages
+    assert any(r["frac"] == 0.25 for r in done.values())
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_curves.py"),
+                           "report", "--quick", "--results", str(res)], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (res / "unicode.png").stat().st_size > 10_000 and (res / "README.md").is_file()
+
+    # the last point of a run equals a direct evaluation of its saved adapter
+    for task, arm in (("unicode", "squash"), ("pydocs", "qlora_r16")):
+        rec = next(r for r in qc.load_records(res / task) if r["arm"]["key"] == arm)
+        direct = evaluate_saved(task, rec, work / "runs" / task / rec["id"], smollm2_checkpoint,
+                                size)  # fmt: skip
+        last = qc.final(rec)["test"]
+        assert direct["loss"] == pytest.approx(last["loss"], rel=1e-5)
+        assert direct["exact_match"] == last["exact_match"]
+
+
+def evaluate_saved(task, rec, run_dir, ckpt, size):
+    """Load a run's newest adapter into a freshly built model and score the test split by other
+    code: quality_smollm2's scorer (unicode) or greedy decoding of the first sentence
+    (pydocs)."""
+    from omegaconf import OmegaConf
+    from torchtune import training
+
+    from squash.models.smollm2 import smollm2_tokenizer
+    from squash.training.checkpoint import latest_checkpoint, load_adapter_into, load_squash_adapter
+    from squash.training.model_setup import setup_frozen_model
+
+    cfg = qc.recipe_config(task, rec["arm"], rec["lr"], rec["seed"], rec["frac"], run_dir, ckpt,
+                           size, 10, "cpu", "fp32", False)  # fmt: skip
+    base = training.FullModelHFCheckpointer(str(ckpt), ["model.safetensors"], "LLAMA3_2",
+                                            str(run_dir / "unused"))  # fmt: skip
+    model_cfg = OmegaConf.create(cfg["model"])
+    model_cfg.pop("init", None)
+    model = setup_frozen_model(model_cfg, base.load_checkpoint()["model"], device=torch.device("cpu"),
+                               dtype=torch.float32)  # fmt: skip
+    path = latest_checkpoint(run_dir)
+    load_adapter_into(model, load_squash_adapter(path), path)
+    tok = smollm2_tokenizer(str(ckpt), max_seq_len=qc.TASKS[task]["max_seq_len"])
+    samples = qc.load_split(task, tok, "test", size["n_test"])
+    if task == "unicode":
+        qs = _load("quality_smollm2")
+        return qs.evaluate(model, [{k: s[k] for k in ("tokens", "labels")} for s in samples],
+                           pad_id=tok.pad_id, stop_tokens=list(tok.stop_tokens), device="cpu")  # fmt: skip
+    ce = n = hits = 0
+    with torch.no_grad():
+        for s in samples:
+            tokens, labels = torch.tensor([s["tokens"]]), s["labels"]
+            logits = model(tokens)[0]
+            first = next(i for i, t in enumerate(labels) if t != qc.IGNORE)
+            ans = torch.tensor(labels[first:])
+            ce += torch.nn.functional.cross_entropy(logits[first - 1 : -1], ans, reduction="sum")
+            n += len(ans)
+            seq = s["tokens"][:first]  # greedy decoding, one token at a time, no teacher forcing
+            for _ in range(s["required"]):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+            hits += seq[first:] == labels[first : first + s["required"]]
+    return {"loss": float(ce) / n, "exact_match": hits / len(samples)}
