@@ -274,7 +274,10 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         lowers the residual. The base becomes ``W - s * B_dense @ A_dense`` (re-quantized to NF4
         when ``quantize_base``; the bias is kept), so the module's output equals ``x W^T`` up to
         the base's quantization error, which is smaller than that of ``NF4(W)`` when ``W`` has a
-        decaying spectrum. Computed in float32; a full SVD, so it costs what one SVD of ``W`` does.
+        decaying spectrum. Computed in float64 and rounded once to the factors' and the base's
+        dtypes, so two processes with different thread counts or ISAs land on the same float32
+        values (and the same NF4 codes) as a resume and an export recompute them; a full SVD, so
+        it costs what one SVD of ``W`` does.
 
         Args:
             weight (torch.Tensor): dense ``(out_dim, in_dim)`` pretrained weight (or an NF4 tensor,
@@ -291,7 +294,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         if self.rank > min(self.in_dim, self.out_dim):
             raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={self.rank}")
         device = _trainable(self.lora_a).device
-        w = _dequantize(weight).to(device=device, dtype=torch.float32)  # (out, in)
+        w = _dequantize(weight).to(device=device, dtype=torch.float64)  # (out, in)
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         root = s[: self.rank].sqrt() / math.sqrt(self.scaling)
         b = u[:, : self.rank] * root  # (out, r)
@@ -309,7 +312,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             if not isinstance(factor, FFILinear):
                 factor.weight.copy_(dense)
         residual = w - self.scaling * (b @ a)  # (out, in)
-        self.weight.copy_(residual.to(self.weight.dtype))  # NF4: quantizes in place
+        self.weight.copy_(residual.float().to(self.weight.dtype))  # NF4: quantizes in place
 
     # ---- forward and export -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
