@@ -18,7 +18,6 @@ with a warning that it cannot be checked.
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -34,9 +33,6 @@ from squash.training import manifest
 
 log = logging.getLogger(__name__)
 
-# What a checkpoint's model block may name: a model builder of squash or torchtune with
-# adapters, never any other callable (a checkpoint holds data, not code).
-_BUILDER = re.compile(r"(squash|torchtune)\.models(\.\w+)+\.(lora|qlora|squash)_\w+")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -196,14 +192,62 @@ def _model_block(cfg_path: Path) -> Dict[str, Any]:
         block = json.loads(cfg_path.read_text()).get("model")
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"{cfg_path} cannot be read as a JSON object: {e}") from e
-    component = block.get("_component_") if isinstance(block, dict) else None
-    if not isinstance(component, str) or not _BUILDER.fullmatch(component):
+    return checked_model_block(block, cfg_path)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
+    """``block``, the ``model`` block a checkpoint file ``where`` holds, if it is data only: its
+    ``_component_`` one of squash's own model builders (:func:`squash.models.adapter_builders`,
+    an allow-list), every other key a parameter of that builder, every value a JSON scalar or a
+    list of them (no nested ``_component_``, no mapping, no ``${...}`` interpolation). A
+    checkpoint someone sent must never name code that runs.
+
+    Raises:
+        ValueError: one line naming ``where`` and the key at fault.
+    """
+    import inspect
+
+    from squash.models import adapter_builders
+
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: model is {type(block).__name__}, not a mapping of builder "
+                         "arguments")  # fmt: skip
+    builders = adapter_builders()
+    component = block.get("_component_")
+    if not isinstance(component, str) or component not in builders:
         raise ValueError(
-            f"{cfg_path}: model._component_ {component!r} is not a squash or torchtune model "
-            "builder with adapters (squash.models.*.squash_*, torchtune.models.*.qlora_*, ...); "
-            "a checkpoint names no other code"
+            f"{where}: model._component_ {component!r} is not one of squash's model builders "
+            "(squash.models.opt.squash_opt_tiny, squash.models.smollm2.squash_smollm2_135m, ...: "
+            "the lora_*, qlora_* and squash_* builders of squash.models); a checkpoint names no "
+            "other code"
         )
+    params = inspect.signature(builders[component]).parameters
+    any_key = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    for key, value in block.items():
+        if key == "_component_":
+            continue
+        if not isinstance(key, str) or not (key in named or (any_key and key.isidentifier())):
+            raise ValueError(f"{where}: model.{key} is not an argument of {component}")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if not isinstance(v, _PLAIN) or (isinstance(v, str) and "${" in v):
+                raise ValueError(
+                    f"{where}: model.{key} holds {_describe(v)}, not a plain value (a number, "
+                    "string, boolean, null or a list of them); a checkpoint names no code"
+                )
     return block
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict) and "_component_" in value:
+        return f"a _component_ {value['_component_']!r}"
+    if isinstance(value, str):
+        return f"the interpolation {value!r}"
+    return f"a {type(value).__name__}"
 
 
 def base_state_dict(base_dir: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:

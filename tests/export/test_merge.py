@@ -142,18 +142,80 @@ def test_a_checkpoint_without_a_base_record_needs_base_and_is_merged_unchecked(
     assert all(torch.equal(got.weights[k], want[k]) for k in want)
 
 
-def test_a_model_block_naming_other_code_is_refused(run, tmp_path):
-    _, _, twin = run
-    bad = tmp_path / "bad" / "epoch_0"
+def _with_model_block(twin: Path, dest: Path, model) -> Path:
+    """A copy of ``twin`` whose squash_adapter_config.json holds ``model``, rehashed (so the
+    integrity check passes: the hash is unkeyed, anyone can rewrite it)."""
+    bad = dest / "epoch_0"
     shutil.copytree(twin, bad)
     cfg_path = bad / ckpt.SQUASH_ADAPTER_CONFIG_FILE
     cfg = json.loads(cfg_path.read_text())
-    cfg["model"] = {"_component_": "os.system", "command": f"touch {tmp_path / 'ran'}"}
+    cfg["model"] = model
     cfg_path.write_text(json.dumps(cfg))
     rehash_checkpoint(bad)
-    with pytest.raises(ValueError, match="_component_ 'os.system' is not a squash or torchtune"):
+    return bad
+
+
+def test_the_exploit_of_a_subprocess_run_model_block_runs_nothing(run, tmp_path, monkeypatch, capsys):
+    """The probe's exploit: ``"model": {"_component_": "subprocess.run", "args": ["touch",
+    "PWNED"]}`` given to ``squash chat`` and ``squash export`` creates nothing and is one line."""
+    base, _, twin = run
+    exploit = {"_component_": "subprocess.run", "args": ["touch", "PWNED"]}
+    bad = _with_model_block(twin, tmp_path / "bad", exploit)
+    monkeypatch.chdir(tmp_path)
+    cfg_path = bad / ckpt.SQUASH_ADAPTER_CONFIG_FILE
+    want = (f"{cfg_path}: model._component_ 'subprocess.run' is not one of squash's model "
+            "builders")  # fmt: skip
+    assert cli_main(["chat", "--checkpoint", str(bad), "--base", str(base), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"squash chat: {want}") and err.count("\n") == 1, err
+    out = tmp_path / "gguf"
+    assert cli_main(["export", str(bad), "--output-dir", str(out), "--base", str(base)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"squash export: {want}") and err.count("\n") == 1, err
+    assert not (tmp_path / "PWNED").exists() and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "model, key, what",
+    [
+        ({"_component_": "os.system", "command": "touch ran"}, "_component_", "'os.system'"),
+        ({"_component_": "squash.models.squash_model", "builder": "x"}, "_component_", "squash_model"),
+        ({"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b"}, "_component_", "torchtune"),
+        # a _component_ nested inside an argument of an allowed builder
+        ({"_component_": "squash.models.opt.squash_opt_tiny", "lora_attn_modules": ["q_proj"],
+          "lora_rank": {"_component_": "subprocess.run", "args": ["touch", "ran"]}},
+         "lora_rank", "a _component_ 'subprocess.run'"),
+        ({"_component_": "squash.models.opt.squash_opt_tiny",
+          "lora_attn_modules": [{"_component_": "subprocess.run", "args": ["touch", "ran"]}]},
+         "lora_attn_modules", "a _component_ 'subprocess.run'"),
+        ({"_component_": "squash.models.opt.squash_opt_tiny", "lora_attn_modules": ["q_proj"],
+          "sparse_factor": "${oc.env:HOME}"}, "sparse_factor", "the interpolation"),
+        ({"_component_": "squash.models.opt.squash_opt_tiny", "lora_attn_modules": ["q_proj"],
+          "not_an_argument": 1}, "not_an_argument", "is not an argument of"),
+    ],
+)  # fmt: skip
+def test_a_model_block_naming_other_code_is_refused(run, tmp_path, monkeypatch, model, key, what):
+    _, _, twin = run
+    bad = _with_model_block(twin, tmp_path / "bad", model)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
         load_checkpoint_model(bad)
+    message = str(info.value)
+    assert message.startswith(f"{bad / ckpt.SQUASH_ADAPTER_CONFIG_FILE}: model.{key} ")
+    assert what in message and "\n" not in message
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_allow_list_names_squash_builders_only():
+    from squash.models import adapter_builders
+    from squash.models.opt import squash_opt_tiny
+
+    builders = adapter_builders()
+    assert builders["squash.models.opt.squash_opt_tiny"] is squash_opt_tiny
+    assert "squash.models.smollm2.squash_smollm2_135m" in builders
+    assert "squash.models.opt.qlora_opt_tiny" in builders and "squash.models.opt.lora_opt" in builders
+    assert all(k.startswith("squash.models.") for k in builders)
+    assert not {"squash.models.squash_model", "squash.models.opt.opt_tiny"} & set(builders)
 
 
 def test_export_writes_nowhere_it_reads(run, tmp_path):
