@@ -83,7 +83,9 @@ def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> 
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
     meta = None
-    if (checkpoint_dir / manifest.META_FILE).is_file():
+    squash_files = (manifest.META_FILE, manifest.RECIPE_STATE, ckpt.SQUASH_ADAPTER_FILE)
+    if any((checkpoint_dir / name).is_file() for name in squash_files):
+        # the verification resume and squash_eval run: every file against checkpoint.json
         meta = manifest.verify(checkpoint_dir)
     if has_merged_weights(checkpoint_dir):
         config, weights = load_merged_checkpoint(checkpoint_dir)

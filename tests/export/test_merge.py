@@ -227,3 +227,59 @@ def test_export_writes_nowhere_it_reads(run, tmp_path):
     assert sorted(p.name for p in base.iterdir()) == sorted(
         json.loads((twin / "checkpoint.json").read_text())["base"]["files"]
     )
+
+
+def _flip_exponent_bit(path: Path) -> None:
+    """Flip the top exponent bit of the first float32 weight in a safetensors file, by hand."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    first = min(
+        (v["data_offsets"][0] for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    )
+    data[8 + n + first + 3] ^= 0x40  # little-endian float32: byte 3 holds the sign and exponent
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("which", ["merged", "adapter"])
+def test_export_and_chat_refuse_a_flipped_bit_as_resume_does(run, tmp_path, capsys, which):
+    base, epoch, twin = run
+    source = epoch if which == "merged" else twin
+    damaged = tmp_path / "run" / "epoch_0"
+    shutil.copytree(source, damaged)
+    name = "model.safetensors" if which == "merged" else ckpt.SQUASH_ADAPTER_FILE
+    _flip_exponent_bit(damaged / name)
+    want = f"{damaged / name} does not match {damaged / 'checkpoint.json'} (sha256 "
+    out = tmp_path / "gguf"
+    assert cli_main(["export", str(damaged), "--output-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"squash export: {want}") and err.endswith("the file is damaged\n"), err
+    assert err.count("\n") == 1 and not out.exists()
+    assert cli_main(["chat", "--checkpoint", str(damaged), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"squash chat: {want}") and err.count("\n") == 1, err
+    # resume's own verification says the same of the same directory
+    from squash.training import manifest
+
+    with pytest.raises(CheckpointIntegrityError, match="does not match"):
+        manifest.verify(damaged)
+
+
+def test_a_squash_checkpoint_without_its_checkpoint_json_is_refused(run, tmp_path, capsys):
+    _, epoch, _ = run
+    stripped = tmp_path / "epoch_0"
+    shutil.copytree(epoch, stripped)
+    (stripped / "checkpoint.json").unlink()  # it would otherwise pass for a plain HF directory
+    with pytest.raises(CheckpointIntegrityError, match="checkpoint.json is missing"):
+        load_checkpoint_model(stripped)
+
+
+def test_export_into_the_checkpoint_is_refused_by_the_command(run, capsys):
+    _, epoch, _ = run
+    before = sorted(p.name for p in epoch.rglob("*"))
+    for out in (epoch, epoch / "gguf"):
+        assert cli_main(["export", str(epoch), "--output-dir", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err == (f"squash export: --output-dir {out} is inside {epoch}, which the export "
+                       "reads; give a directory outside the checkpoint and the base model\n")  # fmt: skip
+    assert sorted(p.name for p in epoch.rglob("*")) == before

@@ -266,12 +266,15 @@ def model_card(general: Dict[str, Any]) -> str:
 
 
 def _is_complete(directory: Path) -> bool:
-    """Whether ``directory`` holds every file its provenance.json lists, at the listed sizes."""
+    """Whether ``directory`` holds every file its provenance.json lists, at the listed sizes and
+    sha256 (a same-size damaged file is not complete)."""
     try:
         record = json.loads((directory / PROVENANCE).read_text())
         files = record["files"]
         return bool(files) and all(
-            (directory / name).is_file() and (directory / name).stat().st_size == entry["bytes"]
+            (directory / name).is_file()
+            and (directory / name).stat().st_size == entry["bytes"]
+            and sha256_file(directory / name) == entry["sha256"]
             for name, entry in files.items()
         )
     except (OSError, ValueError, KeyError, TypeError):
@@ -309,7 +312,8 @@ def download(
         return out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DownloadError(
-            f"{out} exists and is not a complete {NAME} checkpoint (no valid {PROVENANCE}); "
+            f"{out} exists and is not a complete {NAME} checkpoint (no valid {PROVENANCE}, or "
+            f"a file missing or not of the size and sha256 it records); "
             f"remove it or choose another --output-dir"
         )
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first

