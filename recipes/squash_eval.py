@@ -93,7 +93,8 @@ class SquashEvalRecipe(EvalRecipeInterface):
                                 ("dataset", 1), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
-        self._run_lock = run_dir.claim(cfg)  # verifies adapter_dir; before anything is written
+        # verifies adapter_dir; before anything is written
+        self._run_lock = run_dir.claim(cfg, trains=False)
         self._metric_logger = None
         if cfg.get("metric_logger") is not None:
             self._metric_logger = config.instantiate(cfg.metric_logger)

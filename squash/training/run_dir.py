@@ -274,17 +274,55 @@ def run_config_of(output_dir: Path) -> Optional[Dict[str, Any]]:
     return None if record is None else record.get("config")
 
 
-def claim(cfg: DictConfig, *, lock: bool = True) -> Optional[RunLock]:
+def checkpoints_in(output_dir: Path) -> List[str]:
+    """The names of the checkpoint directories (``epoch_N``, ``step_N``, complete or not) in
+    ``output_dir``, in step order."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for path in out.iterdir():
+        prefix, _, number = path.name.partition("_")
+        if path.is_dir() and prefix in ("epoch", "step") and number.isdigit():
+            found.append((int(number), prefix, path.name))
+    return [name for _, _, name in sorted(found)]
+
+
+def refuse_used_output_dir(cfg: DictConfig) -> None:
+    """Refuse a fresh run (``resume_from_checkpoint`` not set) into an ``output_dir`` that
+    already holds checkpoints: they are another run's, and a fresh run would prune them, mix
+    with them, and a later resume would continue the wrong one.
+
+    Raises:
+        ConfigKeyError: naming the directory, its checkpoints and the two ways out.
+    """
+    if bool(cfg.get("resume_from_checkpoint", False)):  # as the recipes read it
+        return
+    out = Path(str(cfg.output_dir)).expanduser()
+    found = checkpoints_in(out)
+    if found:
+        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        raise ConfigKeyError(
+            f"output_dir {out} already holds another run's checkpoints ({shown}); a fresh run "
+            "would mix with them. Continue that run with resume_from_checkpoint=True, or give "
+            "another output_dir"
+        )
+
+
+def claim(cfg: DictConfig, *, lock: bool = True, trains: bool = True) -> Optional[RunLock]:
     """Check ``output_dir`` against what ``cfg`` reads, verify the squash checkpoints it reads
-    (:func:`squash.training.manifest.verify_inputs`) and, with ``lock``, take its lock. Call it
-    before anything is written (logs, the config copy, checkpoints); on the non-zero ranks of a
-    distributed run pass ``lock=False`` (rank 0 owns the directory).
+    (:func:`squash.training.manifest.verify_inputs`), refuse a fresh training run into a
+    directory holding checkpoints (:func:`refuse_used_output_dir`) and, with ``lock``, take its
+    lock. Call it before anything is written (logs, the config copy, checkpoints); on the
+    non-zero ranks of a distributed run pass ``lock=False`` (rank 0 owns the directory).
+    ``trains=False`` (an evaluation, which writes no checkpoints) skips the used-directory check.
 
     Returns:
         Optional[RunLock]: the lock to :meth:`~RunLock.release` at cleanup (None without ``lock``).
 
     Raises:
-        ConfigKeyError: ``output_dir`` overlaps something the run reads.
+        ConfigKeyError: ``output_dir`` overlaps something the run reads, or holds checkpoints
+            a fresh training run would mix with.
         CheckpointIntegrityError: a squash checkpoint it reads does not match its checkpoint.json.
         RuntimeError: another live run owns ``output_dir``.
         OSError: ``output_dir`` cannot be written.
@@ -292,8 +330,18 @@ def claim(cfg: DictConfig, *, lock: bool = True) -> Optional[RunLock]:
     out = check_output_dir(cfg)
     manifest.verify_inputs(cfg)
     if not lock:
+        if trains:
+            refuse_used_output_dir(cfg)
         return None
-    return RunLock(out, OmegaConf.to_container(cfg, resolve=True), base=_base_record(cfg))
+    # the lock first, so that a live run in the directory is named as such
+    run_lock = RunLock(out, OmegaConf.to_container(cfg, resolve=True), base=_base_record(cfg))
+    if trains:
+        try:
+            refuse_used_output_dir(cfg)
+        except ConfigKeyError:
+            run_lock.release()  # removes the lock file: the directory is as it was
+            raise
+    return run_lock
 
 
 def _base_record(cfg: DictConfig) -> Optional[Dict[str, Any]]:

@@ -122,6 +122,44 @@ def test_a_second_run_is_refused_and_the_first_finishes_with_its_checkpoints_int
     assert not (out / ".squash-run.lock").exists()
 
 
+def test_a_fresh_run_into_a_used_output_dir_is_refused_and_its_checkpoints_untouched(trained, tmp_path):
+    """The probe's case: a finished run's directory (epoch_0, epoch_1, step_9, step_10) and a
+    new fresh run with step checkpoints and keep_last_n: refused in one line before anything is
+    written or pruned; a resume of the finished run is still allowed."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    for step in (9, 10):
+        shutil.copytree(trained / "epoch_1", out / f"step_{step}")
+    before = _tree(out)
+    want = (f"output_dir {out} already holds another run's checkpoints (epoch_0, epoch_1, step_9, "
+            "step_10); a fresh run would mix with them. Continue that run with "
+            "resume_from_checkpoint=True, or give another output_dir")  # fmt: skip
+    with pytest.raises(ConfigKeyError) as info:
+        _setup(_cfg(out, epochs=2, max_steps_per_epoch=3, save_every_n_steps=1, keep_last_n=1))
+    assert str(info.value) == want
+    assert _tree(out) == before
+    proc = tune_run(out, "epochs=2", "max_steps_per_epoch=3", "save_every_n_steps=1",
+                    "keep_last_n=1", check=False)  # fmt: skip
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"squash_finetune: config error: {want}"
+    )
+    assert _tree(out) == before  # no logs/, no config copy, no lock file, nothing pruned
+
+
+def test_an_empty_or_checkpoint_free_output_dir_is_fine_for_a_fresh_run(tmp_path):
+    from squash.training import run_dir
+
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "epoch_notes").mkdir()  # not a checkpoint name
+    assert run_dir.checkpoints_in(out) == []
+    run_dir.refuse_used_output_dir(_cfg(out))
+    (out / "step_3").mkdir()  # an incomplete checkpoint is another run's too
+    with pytest.raises(ConfigKeyError, match=r"holds another run's checkpoints \(step_3\)"):
+        run_dir.refuse_used_output_dir(_cfg(out))
+    run_dir.refuse_used_output_dir(_cfg(out, resume_from_checkpoint=True))
+
+
 # ---- 3. checkpoints are what was written ----------------------------------------------------------
 def _flip(path):
     data = bytearray(path.read_bytes())
