@@ -14,6 +14,9 @@ once every other file is in the temporary directory. ``checkpoint.json`` then re
   of each of its files, so an export or chat that merges the adapter into that base can check
   it is the same (:func:`verify_directory`); None when written outside a run, and absent from
   checkpoints written before runs recorded it;
+- ``inputs``: ``{key: {"path", "sha256", "size"}}`` of the data and tokenizer files the run
+  read (:func:`squash.training.run_dir.input_record`), so a resume notices one edited in place;
+  None outside a run, absent from older checkpoints;
 - ``sha256``: of the canonical JSON of all of the above, so an edit of ``checkpoint.json`` itself
   is caught too.
 
@@ -91,6 +94,7 @@ def write_meta(
         "files": file_table(path),
         "config": lock.get("config") if lock.get("pid") == os.getpid() else None,
         "base": lock.get("base") if lock.get("pid") == os.getpid() else None,
+        "inputs": lock.get("inputs") if lock.get("pid") == os.getpid() else None,
     }
     full["sha256"] = _self_hash(full)
     (Path(path) / META_FILE).write_text(json.dumps(full, indent=2, sort_keys=True))

@@ -12,6 +12,8 @@ accumulation, dataset, seed, model, sparsity, optimizer, schedule, epochs, dtype
 refused unless the config sets ``resume_allow_config_change: True``; then the changes are
 logged and the run continues with them (the checkpoint's optimizer state, lr schedule state,
 RNG and seed are still restored from it, so a new ``optimizer.lr`` or ``seed`` does not act).
+So is an input file changed in place at the same path (:func:`check_inputs`: each file of the
+base model, each data and tokenizer file, compared by sha256 and size).
 """
 
 import logging
@@ -152,7 +154,64 @@ def load_resume_state(
             raise ValueError(f"The recipe state to resume from lacks {key!r}")
     manifest.check_counters(resume_dir, meta, state)
     check_config(resume_dir, meta.get("config"), cfg)
+    check_inputs(resume_dir, meta, output_dir, cfg)
     return resume_dir, state
+
+
+def changed_inputs(meta: Dict[str, Any], now: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """``(file, key)`` of each input file whose sha256 or size differs between what a checkpoint
+    recorded (``meta``: its ``base`` and ``inputs``) and what this run recorded when it started
+    (``now``: its lock record). A file recorded on one side only is a config change (another
+    path), left to :func:`check_config`."""
+    changed = []
+    base_then, base_now = meta.get("base") or {}, now.get("base") or {}
+    files_then, files_now = base_then.get("files") or {}, base_now.get("files") or {}
+    if files_then and files_now:
+        where = base_now.get("path", "checkpointer.checkpoint_dir")
+        for name in sorted(set(files_then) | set(files_now)):
+            if files_then.get(name) != files_now.get(name):
+                changed.append((str(Path(where) / name), "checkpointer.checkpoint_dir"))
+    inputs_then, inputs_now = meta.get("inputs") or {}, now.get("inputs") or {}
+    for key in sorted(set(inputs_then) & set(inputs_now)):
+        then, current = inputs_then[key], inputs_now[key]
+        if then.get("path") != current.get("path"):
+            continue  # another file: a config change
+        if (then.get("sha256"), then.get("size")) != (current.get("sha256"), current.get("size")):
+            changed.append((current["path"], key))
+    return changed
+
+
+def check_inputs(resume_dir: Path, meta: Dict[str, Any], output_dir: Path, cfg: DictConfig) -> None:
+    """Refuse a resume whose input files (base model weights, data and tokenizer files) changed
+    since the run that wrote ``resume_dir`` read them, unless ``resume_allow_config_change:
+    True``. This run's hashes are those its lock recorded when it started
+    (:class:`squash.training.run_dir.RunLock`), so nothing is hashed twice; a process that does
+    not hold the lock (a distributed run's other ranks) leaves the check to the one that does.
+
+    Raises:
+        ValueError: one line naming the first changed file, its key and the override key.
+    """
+    import os
+
+    from squash.training.run_dir import read_lock
+
+    now = read_lock(output_dir)
+    if now is None or now.get("pid") != os.getpid():
+        return
+    changed = changed_inputs(meta, now)
+    if not changed:
+        return
+    path, key = changed[0]
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    if cfg.get(OVERRIDE_KEY, False) is True:
+        log.warning("Resuming from %s with changed inputs (%s=True): %s (%s)%s changed since the "
+                    "run read it", resume_dir, OVERRIDE_KEY, path, key, more)  # fmt: skip
+        return
+    raise ValueError(
+        f"resume_from_checkpoint: {path} ({key}) changed since the run that wrote {resume_dir} "
+        f"read it{more}; the resume would not continue that run. Restore the file, or set "
+        f"{OVERRIDE_KEY}=True to continue with it"
+    )
 
 
 def check_optimizer_state(model: Any, optimizer: Any, resume_dir: Path) -> None:

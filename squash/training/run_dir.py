@@ -11,7 +11,7 @@
    run's resolved config (each checkpoint copies it into ``checkpoint.json``, for the resume
    check of :mod:`squash.training.resume_config`) and the sha256 of each file of the base model
    (``checkpointer.checkpoint_dir``; copied too, for an export or chat that merges the adapter
-   into that base). The kernel drops a ``flock`` when its process
+   into that base, and for the resume check) and of each data and tokenizer file it reads. The kernel drops a ``flock`` when its process
    dies, however it dies: a lock file left by a killed run is taken over with a warning naming
    that run; a live run's lock refuses the second run, naming the first. Temporary directories
    of an interrupted save are cleaned only once the lock is held, so start-up never deletes
@@ -179,6 +179,8 @@ class RunLock:
         run_config (Optional[Dict[str, Any]]): the run's resolved config, recorded in the lock.
         base (Optional[Dict[str, Any]]): :func:`squash.training.manifest.directory_record` of
             the base model, recorded in the lock (each checkpoint copies it).
+        inputs (Optional[Dict[str, Dict[str, Any]]]): :func:`input_record` of the files the
+            run reads (data, tokenizer), recorded in the lock (each checkpoint copies it).
 
     Raises:
         RuntimeError: another live run holds the lock; the message names it.
@@ -190,6 +192,7 @@ class RunLock:
         output_dir: Path,
         run_config: Optional[Dict[str, Any]] = None,
         base: Optional[Dict[str, Any]] = None,
+        inputs: Optional[Dict[str, Dict[str, Any]]] = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
@@ -205,6 +208,7 @@ class RunLock:
             "command": " ".join(sys.argv),
             "config": run_config,
             "base": base,
+            "inputs": inputs,
         }
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps(self.record, indent=2, sort_keys=True).encode(), 0)
@@ -334,7 +338,8 @@ def claim(cfg: DictConfig, *, lock: bool = True, trains: bool = True) -> Optiona
             refuse_used_output_dir(cfg)
         return None
     # the lock first, so that a live run in the directory is named as such
-    run_lock = RunLock(out, OmegaConf.to_container(cfg, resolve=True), base=_base_record(cfg))
+    run_lock = RunLock(out, OmegaConf.to_container(cfg, resolve=True), base=_base_record(cfg),
+                       inputs=input_record(cfg))
     if trains:
         try:
             refuse_used_output_dir(cfg)
@@ -351,3 +356,17 @@ def _base_record(cfg: DictConfig) -> Optional[Dict[str, Any]]:
     if not isinstance(base, str) or not Path(base).is_dir():
         return None
     return {"key": "checkpointer.checkpoint_dir", **manifest.directory_record(Path(base))}
+
+
+def input_record(cfg: DictConfig) -> Dict[str, Dict[str, Any]]:
+    """``{key: {"path", "sha256", "size"}}`` of each file (not directory) the config reads
+    besides the base model (:func:`read_paths`: dataset files, tokenizer files), recorded when a
+    run starts so that a resume notices a file edited in place
+    (:func:`squash.training.resume_config.check_inputs`)."""
+    record = {}
+    for key, path, is_dir in read_paths(cfg):
+        if not is_dir and Path(path).is_file():
+            f = Path(path).expanduser().resolve()
+            record[key] = {"path": str(f), "sha256": manifest.file_sha256(f),
+                           "size": f.stat().st_size}  # fmt: skip
+    return record

@@ -250,6 +250,58 @@ def test_a_resume_with_a_changed_batch_size_is_refused_and_the_override_accepted
     assert meta["global_step"] == 2 and meta["config"]["batch_size"] == 2
 
 
+def test_a_resume_after_the_data_or_the_base_weights_changed_in_place_is_refused(tmp_path):
+    """The probe's case: the data file's content, then one tensor of the base weights, edited at
+    the same path between a run and its resume: refused naming the file; the override key
+    resumes anyway; restored files resume as before."""
+    base, data = tmp_path / "base", tmp_path / "data.json"
+    shutil.copytree(TINY, base)
+    shutil.copy(TINY / "alpaca_tiny.json", data)
+    inputs = {"checkpointer.checkpoint_dir": str(base), "dataset.data_files": str(data)}
+    out = tmp_path / "out"
+    cfg = _cfg(out, **KEYS, **inputs)
+    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
+    try:
+        recipe.setup(cfg)
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    shutil.rmtree(out / "epoch_1")  # as if killed after epoch_0
+    recorded = manifest.verify(out / "epoch_0")["inputs"]["dataset.data_files"]
+    assert recorded["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    resume = _cfg(out, resume_from_checkpoint=True, **KEYS, **inputs)
+
+    records = json.loads(data.read_text())
+    original = data.read_bytes()
+    records[0]["output"] = records[0]["output"] + " (edited)"
+    data.write_text(json.dumps(records))
+    with pytest.raises(ValueError) as info:
+        _setup(resume)
+    assert str(info.value) == (
+        f"resume_from_checkpoint: {data} (dataset.data_files) changed since the run that wrote "
+        f"{out / 'epoch_0'} read it; the resume would not continue that run. Restore the file, "
+        "or set resume_allow_config_change=True to continue with it"
+    )
+    data.write_bytes(original)
+
+    from safetensors.torch import load_file, save_file
+
+    weights = base / "model.safetensors"
+    saved = weights.read_bytes()
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0  # one value of one tensor
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"^resume_from_checkpoint: {weights} "
+                                         r"\(checkpointer.checkpoint_dir\) changed since"):
+        _setup(resume)
+    allowed = _cfg(out, resume_from_checkpoint=True, resume_allow_config_change=True, **KEYS, **inputs)
+    assert _setup(allowed).global_step == 1
+    weights.write_bytes(saved)
+    assert _setup(resume).global_step == 1
+
+
 # ---- 5. bad values are named ----------------------------------------------------------------------
 def _empty_file(tmp_path):
     path = tmp_path / "empty.json"
