@@ -17,7 +17,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from squash.export import parse_export_config
-from squash.merge import export_checkpoint
+from squash.merge import export_checkpoint, missing_exports
 from squash.training import checkpoint as ckpt
 from squash.training import resume_config, run_dir
 from squash.training import data, exports, resume, steps
@@ -136,6 +136,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
+            self._redo_interrupted_export(resume_dir)
 
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
@@ -257,6 +258,15 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             for f in export_checkpoint(path, self._export):
                 log.info(f"Exported {f}")
         return path
+
+    def _redo_interrupted_export(self, resume_dir: Path) -> None:
+        """Write the GGUF files of the epoch checkpoint resumed from that a run killed during
+        its export never wrote (its half-written temporary is removed by the export)."""
+        missing = missing_exports(resume_dir, self._export) if self._export else {}
+        if resume_dir.name.startswith("epoch_") and missing:
+            log.info(f"Exporting {resume_dir.name} again: the run that saved it did not finish")
+            for f in export_checkpoint(resume_dir, missing):
+                log.info(f"Exported {f}")
 
     # ---- training -------------------------------------------------------------------------------
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -352,9 +352,28 @@ def export_checkpoint(
     output_dir.mkdir(parents=True, exist_ok=True)
     return [
         write_gguf(model.config, model.weights, model.tokenizer_dir, d,
-                   output_dir / f"{checkpoint_dir.name}-{d}.gguf", model.meta, model.source)
+                   export_path(checkpoint_dir, d, output_dir), model.meta, model.source)
         for d in dtypes
     ]  # fmt: skip
+
+
+def export_path(checkpoint_dir: Path, dtype: str, output_dir: Optional[Path] = None) -> Path:
+    """Where :func:`export_checkpoint` writes the GGUF of ``checkpoint_dir`` in ``dtype``."""
+    checkpoint_dir = Path(checkpoint_dir)
+    output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "gguf"
+    return output_dir / f"{checkpoint_dir.name}-{dtype}.gguf"
+
+
+def missing_exports(
+    checkpoint_dir: Path, formats: Any, output_dir: Optional[Path] = None
+) -> Dict[str, List[str]]:
+    """The part of an ``export`` block (as :func:`export_checkpoint` takes it) whose files are not
+    there: what a run killed during its export left undone, for its resume to redo."""
+    from squash.export.gguf import parse_export_config
+
+    dtypes = parse_export_config(formats).get("gguf", [])
+    missing = [d for d in dtypes if not export_path(checkpoint_dir, d, output_dir).is_file()]
+    return {"gguf": missing} if missing else {}
 
 
 def _refuse_inside(output_dir: Path, reads: List[Path]) -> None:

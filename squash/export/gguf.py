@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 import gguf
 from gguf.metadata import Metadata
+from squash._temporaries import owned_prefix, remove_stale
 from squash.export.gguf_general import add_general, model_metadata
 
 log = logging.getLogger(__name__)
@@ -469,7 +470,11 @@ def write_gguf(
     _check_weights(weights, hp, Path(tokenizer_dir))
 
     arch = gguf.MODEL_ARCH_NAMES[SUPPORTED_ARCHITECTURES[hp["architecture"]][0]]
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    # named after this process, so the next export of ``output`` removes what a killed one left
+    remove_stale(output.parent, f".{output.name}.")
+    fd, tmp = tempfile.mkstemp(
+        prefix=owned_prefix(f".{output.name}."), suffix=".tmp", dir=output.parent
+    )
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch)

