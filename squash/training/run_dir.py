@@ -7,16 +7,18 @@
    that contains a file it reads (tokenizer files, dataset files). Paths are compared resolved,
    so a symlink does not hide an overlap.
 2. :class:`RunLock` takes ``output_dir/.squash-run.lock``: an advisory ``flock`` held for the
-   run's lifetime, the file naming the process (pid, host, start time, command) and holding the
-   run's resolved config (each checkpoint copies it into ``checkpoint.json``, for the resume
-   check of :mod:`squash.training.resume_config`) and the sha256 of each file of the base model
-   (``checkpointer.checkpoint_dir``; copied too, for an export or chat that merges the adapter
-   into that base, and for the resume check) and of each data and tokenizer file it reads. The kernel drops a ``flock`` when its process
-   dies, however it dies: a lock file left by a killed run is taken over with a warning naming
-   that run; a live run's lock refuses the second run, naming the first. Temporary directories
-   of an interrupted save are cleaned only once the lock is held, so start-up never deletes
-   those of a live run. (``flock`` is local to one machine on some network file systems; two
-   machines writing to one NFS ``output_dir`` are not detected there.)
+   run's lifetime on that file and on ``output_dir`` itself (so deleting the file's path does
+   not let a second run in), the file naming the process (pid, host, start time, command) and
+   holding the run's resolved config (each checkpoint copies it into ``checkpoint.json``, for
+   the resume check of :mod:`squash.training.resume_config`), the sha256 of each file of the
+   base model (``checkpointer.checkpoint_dir``; copied too, for an export or chat that merges
+   the adapter into that base, and for the resume check) and of each data and tokenizer file
+   the run reads. The kernel drops a ``flock`` when its process dies, however it dies: a lock
+   file left by a killed run is taken over with a warning naming that run; a live run's lock
+   refuses the second run, naming the first. Temporary directories of an interrupted save are
+   cleaned only once the lock is held, so start-up never deletes those of a live run.
+   (``flock`` is local to one machine on some network file systems; two machines writing to
+   one NFS ``output_dir`` are not detected there.)
 """
 
 import fcntl
@@ -196,6 +198,7 @@ class RunLock:
     ) -> None:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
+        self._dir_fd: Optional[int] = None
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -241,6 +244,25 @@ class RunLock:
             if same:
                 break
             os.close(fd)
+        # The directory itself is locked too: deleting the lock file's path cannot release it
+        # (a second run would flock a new file, but not the directory the first still holds).
+        self._dir_fd = os.open(self.output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+            if os.fstat(fd).st_size == 0:  # the file this call made in place of a deleted one
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+            os.close(fd)
+            raise RuntimeError(
+                f"output_dir {self.output_dir} is in use by another run (its lock file "
+                f"{LOCK_FILE} was deleted, but the run still holds the directory); wait for it "
+                "to finish or give another output_dir"
+            ) from None
         previous = read_lock(self.output_dir)
         if previous and previous.get("pid") is not None:
             state = "no longer running" if (
@@ -262,14 +284,18 @@ class RunLock:
             pass
         os.close(self._fd)
         self._fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for name in ("_fd", "_dir_fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def run_config_of(output_dir: Path) -> Optional[Dict[str, Any]]:

@@ -90,6 +90,23 @@ def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
         proc.wait()
 
 
+def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
+    """The lock is held on the directory too: with the first run's lock file deleted, a second
+    run is still refused, and leaves no lock file of its own behind."""
+    proc = _holder(tmp_path)
+    try:
+        (tmp_path / run_dir.LOCK_FILE).unlink()
+        with pytest.raises(RuntimeError, match=f"output_dir {tmp_path} is in use by another run "
+                                               r"\(its lock file .squash-run.lock was deleted"):
+            run_dir.RunLock(tmp_path)
+        assert not (tmp_path / run_dir.LOCK_FILE).exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    lock = run_dir.RunLock(tmp_path)  # the first run gone, the directory is free
+    lock.release()
+
+
 def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     proc = _holder(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
