@@ -30,6 +30,7 @@ claimed by a lock held on an open file, each run writes its own json under
 
 import argparse
 import fcntl
+import importlib.util
 import json
 import math
 import os
@@ -669,7 +670,9 @@ def report(results: Path, tasks: list, size: dict) -> str:
         recs = load_records(results / task)
         text, groups = task_report(task, recs, size)
         lines += text
-        if groups:
+        if groups and importlib.util.find_spec("matplotlib") is None:
+            lines += ["(no plot: matplotlib is not installed; `pip install -e .[plot]`)", ""]
+        elif groups:
             png = results / f"{task}.png"
             plot(png, groups, task)
             lines += [f"![{task}]({png.name})", ""]

