@@ -12,7 +12,6 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 
 from squash._checks import (
     INITS,
@@ -22,15 +21,16 @@ from squash._checks import (
     check_real,
     check_sparsity,
 )
-from squash.modules._nf4 import (
-    NF4Tensor,
-    check_nf4_shape,
-    nf4_block_sizes,
-    quantize_nf4,
-)
 from squash.modules.adapter import SparseAdapterModule
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
-from squash.ops.nf4 import nf4_linear
+from squash.nf4 import (
+    NF4Tensor,
+    check_nf4_shape,
+    install_torchao_extensions,
+    nf4_block_sizes,
+    nf4_linear,
+    quantize_nf4,
+)
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
 def lora_factor(
@@ -96,7 +96,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         generator (Optional[torch.Generator]): CPU generator for FFI patterns and FFI values.
         **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
             with ``quantize_base``. Without them the sizes are chosen for the weight's shape
-            (:func:`~squash.modules._nf4.nf4_block_sizes`: torchao's defaults where they divide
+            (:func:`~squash.nf4.nf4_block_sizes`: torchao's defaults where they divide
             it), and the NF4 weight records them.
 
         weight (Optional[nn.Parameter]): an existing base weight ``(out_dim, in_dim)`` to use
@@ -159,6 +159,8 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         self.init = init
         self._quantize_base = quantize_base
         self.disabled = False
+        if quantize_base:
+            install_torchao_extensions()  # an NF4 base clones with its own block sizes
 
         weight, bias = self._base(weight, bias, dtype, device, quantization_kwargs)
         self.register_parameter("weight", weight)

@@ -15,7 +15,7 @@ from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
 from squash.modules.adapter import SparseAdapterModule
-from squash.modules.nf4_lora import is_plain_lora
+from squash.nf4.modules import is_plain_lora
 from squash.modules.sparse_lora import SparseLoRALinear
 
 

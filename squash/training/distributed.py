@@ -32,7 +32,7 @@ from torchtune import training
 
 from squash.modules import FFILinear, get_adapter_buffers
 from squash.modules.surgery import state_dict_key
-from squash.modules._nf4 import NF4Tensor, to_nf4
+from squash.nf4 import NF4Tensor, to_nf4
 from squash.training.mask_update import (
     check_drop_keeps_adapters,
     entries_replaced,

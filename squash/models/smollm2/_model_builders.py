@@ -11,7 +11,7 @@ builders with SmolLM2's numbers, not a copy of them.
 QLoRA: torchtune's ``quantize_base=True`` quantizes with torchao's default NF4 block sizes, which
 refuse the 576x576 and 192x576 projections; ``qlora_smollm2_135m`` builds the LoRA model
 unquantized and quantizes each base with block sizes chosen for its shape
-(:func:`squash.modules._nf4.quantize_base_`).
+(:func:`squash.nf4.quantize_base_`).
 """
 
 from functools import partial
@@ -24,7 +24,7 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from squash.models._squash_builders import squash_model
 from squash.modules import flatten_tied_output
-from squash.modules._nf4 import quantize_base_
+from squash.nf4 import quantize_base_
 
 # SmolLM2-135M's sizes, as in its config.json (and the GGUF's metadata).
 SMOLLM2_135M = dict(
