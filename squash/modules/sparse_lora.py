@@ -251,18 +251,10 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
 
     def initialize_parameters(self, generator: Optional[torch.Generator] = None) -> None:
         """LoRA initialisation: fresh FFI patterns, A Kaiming-uniform over its fan-in, B zero."""
-        for factor in (self.lora_a, self.lora_b):
-            if isinstance(factor, FFILinear):
-                factor.reset_parameters(generator=generator)
-        self._init_lora_values(generator)
+        initialize_lora_factors_(self.lora_a, self.lora_b, generator)
 
     def _init_lora_values(self, generator: Optional[torch.Generator]) -> None:
-        if isinstance(self.lora_a, FFILinear):
-            self.lora_a.reset_values(generator=generator)
-        elif not self.lora_a.weight.is_meta:
-            kaiming_uniform_(self.lora_a.weight, self.in_dim, generator=generator)
-        with torch.no_grad():
-            _trainable(self.lora_b).zero_()
+        _init_lora_values_(self.lora_a, self.lora_b, generator)
 
     # ---- SVD initialisation -------------------------------------------------------------------
     @torch.no_grad()
@@ -412,6 +404,26 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         )
         new.disabled = lora.disabled
         return new.train(lora.training)
+
+
+def initialize_lora_factors_(
+    lora_a: nn.Module, lora_b: nn.Module, generator: Optional[torch.Generator] = None
+) -> None:
+    """LoRA initialisation of a pair of factors (as :func:`lora_factor` builds them), in place:
+    fresh FFI patterns, A Kaiming-uniform over its fan-in, B zero (nothing drawn on meta)."""
+    for factor in (lora_a, lora_b):
+        if isinstance(factor, FFILinear):
+            factor.reset_parameters(generator=generator)
+    _init_lora_values_(lora_a, lora_b, generator)
+
+
+def _init_lora_values_(lora_a, lora_b, generator) -> None:
+    if isinstance(lora_a, FFILinear):
+        lora_a.reset_values(generator=generator)
+    elif not lora_a.weight.is_meta:
+        kaiming_uniform_(lora_a.weight, lora_a.in_features, generator=generator)
+    with torch.no_grad():
+        _trainable(lora_b).zero_()
 
 
 def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:

@@ -281,18 +281,15 @@ def load_squash_adapter(path: Path) -> Dict[str, torch.Tensor]:
         raise ValueError(f"Cannot read the squash adapter {path}: {e}") from e
 
 
-def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
-    """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
-
-    Shapes, dtypes of indices and the FFI rules are checked by the modules' own state-dict
-    loading (``FFILinear`` validates its indices).
+def check_adapter_fits(
+    own: Dict[str, torch.Tensor], adapter: Dict[str, torch.Tensor], source: Path
+) -> None:
+    """Check that ``adapter`` holds exactly the keys of ``own`` (a model's adapter tensors, or
+    its initial adapter), each with its shape.
 
     Raises:
-        ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
+        ValueError: naming ``source`` and the missing, unexpected or wrongly shaped keys.
     """
-    from squash.training.exports import adapter_state
-
-    own = adapter_state(model)
     expected = set(own)
     missing, unexpected = sorted(expected - adapter.keys()), sorted(adapter.keys() - expected)
     wrong = sorted(
@@ -306,6 +303,20 @@ def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
             f"{'...' if len(unexpected) > 5 else ''}, wrong shapes {wrong[:5]}"
         )
+
+
+def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
+    """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
+
+    Shapes, dtypes of indices and the FFI rules are checked by the modules' own state-dict
+    loading (``FFILinear`` validates its indices).
+
+    Raises:
+        ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
+    """
+    from squash.training.exports import adapter_state
+
+    check_adapter_fits(adapter_state(model), adapter, source)
     try:
         model.load_state_dict(adapter, strict=False)
     except (RuntimeError, ValueError) as e:
