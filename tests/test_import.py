@@ -59,3 +59,33 @@ def test_one_version_string():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "version" not in project and "version" in project["dynamic"]
     assert isinstance(squash.__version__, str) and squash.__version__.count(".") == 2
+
+
+def _imports(path):
+    """The squash modules ``path`` imports (at any depth of the file, functions included)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n == "squash" or n.startswith("squash.")}
+
+
+def test_layers_point_down():
+    """models/ never imports training/; the layers under models/ (modules, nf4, ops, sparsity)
+    import neither; ops/ does not import nf4/ (nf4 is built on ops)."""
+    below_training = ["models", "modules", "nf4", "ops", "sparsity"]
+    for folder in below_training:
+        for path in (REPO / "squash" / folder).rglob("*.py"):
+            bad = {n for n in _imports(path) if n.startswith("squash.training")}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    for folder in ["modules", "nf4", "ops", "sparsity"]:
+        for path in (REPO / "squash" / folder).rglob("*.py"):
+            bad = {n for n in _imports(path) if n.startswith("squash.models")}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    for path in (REPO / "squash" / "ops").rglob("*.py"):
+        bad = {n for n in _imports(path) if n.startswith("squash.nf4")}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"

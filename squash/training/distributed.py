@@ -31,7 +31,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torchtune import training
 
 from squash.modules import FFILinear, get_adapter_buffers
-from squash.modules.surgery import state_dict_key
+from squash.modules.adapter import state_dict_key
 from squash.nf4 import NF4Tensor, to_nf4
 from squash.training.mask_update import (
     check_drop_keeps_adapters,

@@ -19,7 +19,7 @@ from squash.training import checkpoint as ckpt
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import ConfigKeyError
 from squash.training.distributed import load_full_state_dict
-from squash.training.exports import adapter_layout, dense_adapter
+from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.training.mask_schedule import MaskUpdateSchedule
 
 log = utils.get_logger("INFO")
