@@ -92,7 +92,7 @@ def build(args, d_in: int, d_out: int, rank: int, seed: int = 0) -> tuple:
     from torchtune.modules.peft import LoRALinear
 
     from squash.modules import SparseLoRALinear
-    from squash.modules._nf4 import nf4_block_sizes
+    from squash.nf4 import nf4_block_sizes
 
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(seed)

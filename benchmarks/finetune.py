@@ -181,7 +181,7 @@ def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor=None):
     from torchtune.models.llama3_2._component_builders import lora_llama3_2
 
     from squash.modules import flatten_tied_output, swap_lora_linear
-    from squash.modules._nf4 import quantize_base_
+    from squash.nf4 import quantize_base_
 
     model = lora_llama3_2(MODULES, True, num_layers=args.layers, lora_rank=lora_rank,
                           lora_alpha=2 * lora_rank, quantize_base=False, **args.model)  # fmt: skip

@@ -38,7 +38,7 @@ def _sync(device):
 def bench(shape, dtype, device, tokens, rounds):
     from torchao.dtypes.nf4tensor import linear_nf4
 
-    from squash.modules._nf4 import quantize_nf4
+    from squash.nf4 import quantize_nf4
     from squash.ops import nf4_dequantize, nf4_linear
 
     w = (torch.randn(shape) * 0.02).to(dtype=dtype, device=device)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype]
-    from squash.modules._nf4 import nf4_block_sizes
+    from squash.nf4 import nf4_block_sizes
     from squash.ops import ensure_loaded, status
 
     ensure_loaded("cpu" if args.device == "cpu" else "cuda")

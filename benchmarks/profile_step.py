@@ -140,7 +140,7 @@ def quantize_bases(model: nn.Module) -> None:
     from torchtune.modules.peft import LoRALinear
 
     from squash.modules import SparseLoRALinear
-    from squash.modules._nf4 import quantize_nf4
+    from squash.nf4 import quantize_nf4
 
     for m in model.modules():
         if isinstance(m, (LoRALinear, SparseLoRALinear)):
@@ -396,7 +396,7 @@ def table(args, res) -> str:
     dev = "cpu" if args.device == "cpu" else "cuda"
     st = status()[dev]
     total = sum(res["ms"].values())
-    from squash.ops.nf4 import backend
+    from squash.nf4.ops import backend
 
     nf4_path = {"squash": f"{backend()} (squash.ops.nf4_linear)",
                 "qlora": "torchao (torchtune's LoRALinear: linear_nf4)", "lora": "none",

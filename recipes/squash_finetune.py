@@ -30,7 +30,7 @@ from squash.training.config_checks import (
     get_int,
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
-from squash.training.model_setup import setup_adapter_model, svd_init_factors
+from squash.training.model_setup import assemble_adapter_model
 from squash.training.heldout import setup_heldout
 from squash.training.run import close_metric_logger, config_errors_in_one_line
 from squash.training.overrides import overrides_in_one_line
@@ -141,7 +141,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model_cfg = cfg.model
-        self._model = setup_adapter_model(
+        self._model, self._svd_init = assemble_adapter_model(
             cfg.model,
             base_state_dict,
             device=self._device,
@@ -150,11 +150,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             activation_checkpointing=self._act_ckpt,
             compile_model=cfg.get("compile", False),
             seed=self.seed,
+            adapter=None if resume_dir is None else ckpt.load_squash_adapter(resume_dir),
+            adapter_source=resume_dir,
         )
-        self._svd_init = svd_init_factors(cfg.model, self._model)
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
-        if resume_dir is not None:
-            ckpt.load_adapter_into(self._model, ckpt.load_squash_adapter(resume_dir), resume_dir)
         del base_state_dict
 
         self._tokenizer = config.instantiate(cfg.tokenizer)

@@ -17,17 +17,16 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch import nn
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.modules import get_adapter_buffers, get_adapter_modules
+from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
 from squash.training import data, exports, resume, steps
 from squash.training import distributed as sq_dist
 from squash.training import run_dir
-from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -38,7 +37,7 @@ from squash.training.config_checks import (
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.mask_update import record_dense_grads
-from squash.training.model_setup import build_adapter_model
+from squash.training.model_setup import assemble_adapter_model
 from squash.training.run import close_metric_logger
 from squash.training.overrides import overrides_in_one_line
 
@@ -234,82 +233,44 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
     def _setup_model(
         self, cfg: DictConfig, base_state_dict: Dict[str, torch.Tensor], resume_dir: Optional[Path]
     ) -> nn.Module:
-        cfg_model = cfg.model
-        svd = cfg_model.get("init", "lora") == "svd"
         t0 = time.perf_counter()
-        model = build_adapter_model(
-            cfg_model, device="meta", dtype=self._dtype, mask_update=self._mask_update
-        )
-        adapters = get_adapter_modules(model)
-        if cfg.get("compile", False):
-            training.compile_model(model, verbose=self._is_rank_zero)
-        if self._act_ckpt:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        whole = sq_dist.shard_model(
-            model,
-            cpu_offload=self._cpu_offload,
-            reshard_after_forward=self._reshard,
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-        )
-        if whole:
-            utils.log_rank_zero(
-                log,
-                f"{len(whole)} NF4 weights cannot be split evenly over {self.world_size} ranks "
-                f"and stay whole on every rank (e.g. {whole[0]})",
-            )
 
-        # torchtune's recipe re-initialises LoRALinear only; every adapter is materialised here
-        adapter_device = "cpu" if self._cpu_offload else self._device
-        adapter_ids = {id(m) for m in adapters.values()}
-        with training.set_default_dtype(self._dtype), self._device:
-            for module in model.modules():
-                if id(module) in adapter_ids:
-                    module.to_empty(device=adapter_device)
-                if hasattr(module, "rope_init"):
-                    module.rope_init()
-
-        if svd:
-            adapter, residual = svd_initial_state(model, base_state_dict)
-            if not adapter:
-                raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
-            base_state_dict = {**base_state_dict, **residual}
-        else:
-            adapter = initial_adapter_state_dict(model, self.seed)
-        self._layout = exports.adapter_layout(model)
-        # with init: svd, the PEFT export is relative to the original weights; in the model's
-        # dtype, as the single-device recipes read these factors from the model
-        self._svd_init = None
-        if svd:
-            dense = exports.dense_adapter(adapter, self._layout)
-            self._svd_init = {k: v.to(self._dtype) for k, v in dense.items()}
-        if resume_dir is not None:
-            expected = set(adapter)  # every adapter tensor of the model
-            adapter = ckpt.load_squash_adapter(resume_dir)
-            if set(adapter) != expected:
-                raise ValueError(
-                    f"The adapter in {resume_dir} does not fit the model: missing "
-                    f"{sorted(expected - set(adapter))[:5]}, unexpected "
-                    f"{sorted(set(adapter) - expected)[:5]}"
+        def shard(model: nn.Module) -> None:
+            whole = sq_dist.shard_model(
+                model,
+                cpu_offload=self._cpu_offload,
+                reshard_after_forward=self._reshard,
+                custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+            )
+            if whole:
+                utils.log_rank_zero(
+                    log,
+                    f"{len(whole)} NF4 weights cannot be split evenly over {self.world_size} "
+                    f"ranks and stay whole on every rank (e.g. {whole[0]})",
                 )
-        missing, unexpected = sq_dist.load_full_state_dict(
-            model, {**base_state_dict, **adapter}, self._device, cpu_offload=self._cpu_offload
+
+        # the single-device recipe's assembly, sharded before the one load
+        model, self._svd_init = assemble_adapter_model(
+            cfg.model,
+            base_state_dict,
+            device=self._device,
+            dtype=self._dtype,
+            mask_update=self._mask_update,
+            activation_checkpointing=self._act_ckpt,
+            compile_model=cfg.get("compile", False),
+            seed=self.seed,
+            adapter=None if resume_dir is None else ckpt.load_squash_adapter(resume_dir),
+            adapter_source=resume_dir,
+            shard=shard,
+            cpu_offload=self._cpu_offload,
         )
-        if missing or unexpected:
-            raise ValueError(
-                f"The base checkpoint does not fit model {cfg_model._component_}: missing "
-                f"{missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        training.validate_no_params_on_meta_device(model)
+        self._layout = exports.adapter_layout(model)
         if self._debug:
             sq_dist.check_replicated(model)
         self._act_ctx = training.get_act_offloading_ctx_manager(model, self._act_offload)
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         utils.log_rank_zero(
             log,
-            f"Model {cfg_model._component_}: {len(adapters)} adapters, {n_train:,} trainable "
-            f"parameters, {self._dtype}, sharded over {self.world_size} ranks on "
+            f"Model {cfg.model._component_} sharded over {self.world_size} ranks on "
             f"{self._device.type} in {time.perf_counter() - t0:.1f}s",
         )
         dist.barrier()

@@ -9,7 +9,8 @@ from squash._quiet import quiet_third_party
 
 quiet_third_party()  # before torch or torchao are imported, where squash is imported first
 
-from squash import ops  # noqa: F401  (registers torch.ops.squash.*)
+from squash import ops  # noqa: F401  (registers torch.ops.squash.ffi_*)
+from squash import nf4  # noqa: F401  (registers torch.ops.squash.nf4_*)
 from squash import sparsity  # noqa: F401  (the FFI format, as squash.sparsity; registers nothing)
 from squash.assets import register_resolvers
 

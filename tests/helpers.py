@@ -100,7 +100,7 @@ def nf4_reference_llama(checkpoint_dir: Path):
     from torchao.dtypes.nf4tensor import to_nf4
     from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
 
-    from squash.modules._nf4 import nf4_block_sizes
+    from squash.nf4 import nf4_block_sizes
 
     model = transformers.LlamaForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
     c = model.config

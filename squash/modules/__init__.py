@@ -1,11 +1,11 @@
 """Modules: ``FFILinear`` (a sparse ``nn.Linear``), ``SparseLoRALinear`` (an adapter module) and
 model surgery that swaps torchtune's ``LoRALinear`` for it; ``FlatTiedLinear``, a tied output
 projection computed as one 2-D matmul; ``NF4LoRALinear`` and ``NF4Linear``, torchtune's NF4
-modules computed with squash's NF4 kernel."""
+modules computed with squash's NF4 kernel (from :mod:`squash.nf4`, re-exported here)."""
 
 from squash.modules.adapter import SparseAdapterModule, get_adapter_modules, is_lora_adapter
 from squash.modules.ffi_linear import FFILinear
-from squash.modules.nf4_lora import NF4Linear, NF4LoRALinear, is_plain_lora, use_squash_nf4_
+from squash.nf4.modules import NF4Linear, NF4LoRALinear, is_plain_lora, use_squash_nf4_
 from squash.modules.sparse_lora import SparseLoRALinear, lora_factor
 from squash.modules.surgery import (
     adapter_state_dict,

@@ -12,7 +12,6 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 
 from squash._checks import (
     INITS,
@@ -22,15 +21,16 @@ from squash._checks import (
     check_real,
     check_sparsity,
 )
-from squash.modules._nf4 import (
-    NF4Tensor,
-    check_nf4_shape,
-    nf4_block_sizes,
-    quantize_nf4,
-)
 from squash.modules.adapter import SparseAdapterModule
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
-from squash.ops.nf4 import nf4_linear
+from squash.nf4 import (
+    NF4Tensor,
+    check_nf4_shape,
+    install_torchao_extensions,
+    nf4_block_sizes,
+    nf4_linear,
+    quantize_nf4,
+)
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
 def lora_factor(
@@ -96,7 +96,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         generator (Optional[torch.Generator]): CPU generator for FFI patterns and FFI values.
         **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
             with ``quantize_base``. Without them the sizes are chosen for the weight's shape
-            (:func:`~squash.modules._nf4.nf4_block_sizes`: torchao's defaults where they divide
+            (:func:`~squash.nf4.nf4_block_sizes`: torchao's defaults where they divide
             it), and the NF4 weight records them.
 
         weight (Optional[nn.Parameter]): an existing base weight ``(out_dim, in_dim)`` to use
@@ -159,6 +159,8 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         self.init = init
         self._quantize_base = quantize_base
         self.disabled = False
+        if quantize_base:
+            install_torchao_extensions()  # an NF4 base clones with its own block sizes
 
         weight, bias = self._base(weight, bias, dtype, device, quantization_kwargs)
         self.register_parameter("weight", weight)
@@ -249,18 +251,10 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
 
     def initialize_parameters(self, generator: Optional[torch.Generator] = None) -> None:
         """LoRA initialisation: fresh FFI patterns, A Kaiming-uniform over its fan-in, B zero."""
-        for factor in (self.lora_a, self.lora_b):
-            if isinstance(factor, FFILinear):
-                factor.reset_parameters(generator=generator)
-        self._init_lora_values(generator)
+        initialize_lora_factors_(self.lora_a, self.lora_b, generator)
 
     def _init_lora_values(self, generator: Optional[torch.Generator]) -> None:
-        if isinstance(self.lora_a, FFILinear):
-            self.lora_a.reset_values(generator=generator)
-        elif not self.lora_a.weight.is_meta:
-            kaiming_uniform_(self.lora_a.weight, self.in_dim, generator=generator)
-        with torch.no_grad():
-            _trainable(self.lora_b).zero_()
+        _init_lora_values_(self.lora_a, self.lora_b, generator)
 
     # ---- SVD initialisation -------------------------------------------------------------------
     @torch.no_grad()
@@ -410,6 +404,26 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         )
         new.disabled = lora.disabled
         return new.train(lora.training)
+
+
+def initialize_lora_factors_(
+    lora_a: nn.Module, lora_b: nn.Module, generator: Optional[torch.Generator] = None
+) -> None:
+    """LoRA initialisation of a pair of factors (as :func:`lora_factor` builds them), in place:
+    fresh FFI patterns, A Kaiming-uniform over its fan-in, B zero (nothing drawn on meta)."""
+    for factor in (lora_a, lora_b):
+        if isinstance(factor, FFILinear):
+            factor.reset_parameters(generator=generator)
+    _init_lora_values_(lora_a, lora_b, generator)
+
+
+def _init_lora_values_(lora_a, lora_b, generator) -> None:
+    if isinstance(lora_a, FFILinear):
+        lora_a.reset_values(generator=generator)
+    elif not lora_a.weight.is_meta:
+        kaiming_uniform_(lora_a.weight, lora_a.in_features, generator=generator)
+    with torch.no_grad():
+        _trainable(lora_b).zero_()
 
 
 def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:

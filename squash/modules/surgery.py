@@ -14,8 +14,8 @@ from torch import nn
 from torchtune.modules.peft import DoRALinear, LoRALinear, get_adapter_params
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
-from squash.modules.adapter import SparseAdapterModule
-from squash.modules.nf4_lora import is_plain_lora
+from squash.modules.adapter import SparseAdapterModule, state_dict_key
+from squash.nf4.modules import is_plain_lora
 from squash.modules.sparse_lora import SparseLoRALinear
 
 
@@ -120,14 +120,3 @@ def adapter_state_dict(model: nn.Module, device: Optional[str] = "cpu") -> Dict[
     """
     tensors = {**get_adapter_params(model), **get_adapter_buffers(model)}
     return {state_dict_key(k): v.detach().to(device) for k, v in tensors.items()}
-
-
-# What torch's checkpoint_wrapper (activation checkpointing) adds to module names and removes
-# from state-dict keys.
-_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
-
-
-def state_dict_key(name: str) -> str:
-    """A module or tensor name as ``model.state_dict()`` spells it (without the
-    ``_checkpoint_wrapped_module.`` that activation checkpointing adds to module names)."""
-    return name.replace(_CHECKPOINT_WRAPPED, "")

@@ -14,8 +14,10 @@ from typing import Dict, Mapping, Tuple
 import torch
 from torch import nn
 
-from squash.modules import SparseLoRALinear, get_adapter_modules, is_plain_lora
+from squash._checks import SPARSE_FACTORS
+from squash.modules import SparseLoRALinear, get_adapter_modules, is_plain_lora, lora_factor
 from squash.modules.ffi_linear import kaiming_uniform_
+from squash.modules.sparse_lora import initialize_lora_factors_
 
 
 def module_generator(seed: int, name: str) -> torch.Generator:
@@ -26,6 +28,19 @@ def module_generator(seed: int, name: str) -> torch.Generator:
 def _factor_dtype(module: nn.Module) -> torch.dtype:
     factor = module.lora_a
     return (factor.values if hasattr(factor, "values") else factor.weight).dtype
+
+
+def _fresh_factors(module: SparseLoRALinear) -> Dict[str, nn.Module]:
+    """CPU factors ``lora_a`` and ``lora_b`` of ``module``'s shapes and dtype, not yet drawn."""
+    sparse_a, sparse_b = SPARSE_FACTORS[module.sparse_factor]
+    factory = dict(dtype=_factor_dtype(module), device="meta")
+    factors = {
+        "lora_a": lora_factor(module.in_dim, module.rank, module.sparsity if sparse_a else None,
+                              **factory),
+        "lora_b": lora_factor(module.rank, module.out_dim, module.sparsity if sparse_b else None,
+                              **factory),
+    }  # fmt: skip
+    return {k: f.to_empty(device="cpu") for k, f in factors.items()}
 
 
 def _fresh_sparse(module: SparseLoRALinear) -> SparseLoRALinear:
@@ -74,9 +89,10 @@ def initial_adapter_state_dict(model: nn.Module, seed: int) -> Dict[str, torch.T
     for name, module in get_adapter_modules(model).items():
         generator = module_generator(seed, name)
         if isinstance(module, SparseLoRALinear):
-            twin = _fresh_sparse(module)
-            twin.initialize_parameters(generator=generator)
-            out.update(_adapter_tensors(name, twin))
+            # the factors alone, drawn as SparseLoRALinear.initialize_parameters draws them
+            factors = nn.ModuleDict(_fresh_factors(module))
+            initialize_lora_factors_(factors["lora_a"], factors["lora_b"], generator)
+            out.update(_adapter_tensors(name, factors))
         elif is_plain_lora(module):
             dtype = _factor_dtype(module)
             a = torch.empty(module.rank, module.in_dim, dtype=dtype)
@@ -98,7 +114,8 @@ def svd_initial_state(
 
     For each ``SparseLoRALinear`` whose weight is in ``base_state_dict``: what
     :meth:`SparseLoRALinear.initialize_from_pretrained` gives, in float32 on the CPU: the adapter
-    factors, and the residual that replaces the base weight (quantized when the model loads it).
+    factors, and the residual that replaces the base weight, in the base's dtype (quantized when
+    the model loads it).
 
     Args:
         model (nn.Module): the model (meta or sharded: only its structure is read).
@@ -114,8 +131,12 @@ def svd_initial_state(
         if not isinstance(module, SparseLoRALinear) or key not in base_state_dict:
             continue
         twin = _fresh_sparse(module)
-        twin.weight = nn.Parameter(torch.empty(module.out_dim, module.in_dim), requires_grad=False)
+        # the residual rounded once to the base's dtype, as an in-place initialisation rounds it
+        twin.weight = nn.Parameter(
+            torch.empty(module.out_dim, module.in_dim, dtype=module.weight.dtype),
+            requires_grad=False,
+        )
         twin.initialize_from_pretrained(base_state_dict[key])
         adapter.update(_adapter_tensors(name, twin))
-        residual[key] = twin.weight.detach()  # float32, cast where the model loads it
+        residual[key] = twin.weight.detach()  # quantized where the model loads it
     return adapter, residual

@@ -23,21 +23,20 @@ the OPT checkpointer uses too, and :func:`clean_stale_temporaries` undoes an int
   it is complete, and resume and ``squash_eval`` verify the directory against it.
 """
 
-import contextlib
 import copy
 import json
 import logging
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from squash._io import atomic_directory, clean_stale_temporaries  # noqa: F401  (also here)
 from squash.training import manifest
 
 if TYPE_CHECKING:
@@ -50,7 +49,6 @@ SQUASH_ADAPTER_CONFIG_FILE = "squash_adapter_config.json"
 RECIPE_STATE_FILE = "recipe_state.pt"
 CHECKPOINT_META_FILE = "checkpoint.json"
 PEFT_SUBDIR = "adapter"
-_TMP_PREFIX = ".squash-tmp-"
 
 
 # ---- writing --------------------------------------------------------------------------------------
@@ -132,84 +130,6 @@ def _save_hf_files(checkpointer: Any, state: Dict[str, Any], directory: Path, ad
     inner.rmdir()
 
 
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Write the directory ``final`` atomically: the one implementation squash has.
-
-    Yields an empty hidden temporary directory in ``final``'s parent (created if need be). When
-    the block ends without an error, every file in it is flushed to disk and given the
-    permissions the umask allows, and it is renamed to ``final``, replacing an existing
-    ``final`` (moved aside first, removed after). On an error it is removed and ``final`` is
-    as it was. What a process killed midway leaves, :func:`clean_stale_temporaries` undoes.
-
-    Args:
-        final (Path): the directory to write.
-
-    Yields:
-        Path: the directory to write into.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{final.name}.", dir=final.parent))
-    try:
-        yield work
-        _publish(work)
-        _replace_dir(work, final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # gone already once renamed
-
-
-def _publish(path: Path) -> None:
-    """Flush every file to disk and give it (and ``path``) the permissions the umask allows
-    (mkdtemp and some writers create them private to the user)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in path.rglob("*"):
-        if f.is_file():
-            f.chmod(0o666 & ~umask)
-            with open(f, "rb") as handle:
-                os.fsync(handle.fileno())
-        elif f.is_dir():
-            f.chmod(0o777 & ~umask)
-    path.chmod(0o777 & ~umask)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first and removed after."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = dst.with_name(f"{_TMP_PREFIX}{dst.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def clean_stale_temporaries(output_dir: Path) -> List[str]:
-    """Undo what an :func:`atomic_directory` killed midway left in ``output_dir``: remove
-    half-written temporary directories, and restore a directory that was moved aside when its
-    replacement never arrived (only a complete directory is ever moved aside). Returns what was
-    done, one line per directory. One process writes to ``output_dir`` at a time."""
-    done = []
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return done
-    for path in sorted(output_dir.glob(f"{_TMP_PREFIX}*")):
-        if path.name.endswith(".old") and path.is_dir():
-            target = output_dir / path.name[len(_TMP_PREFIX) : -len(".old")]
-            if not target.exists():
-                os.replace(path, target)
-                done.append(f"restored {target.name} from an interrupted replacement")
-                continue
-        shutil.rmtree(path, ignore_errors=True)
-        done.append(f"removed the incomplete {path.name}")
-    for line in done:
-        log.warning("%s: %s", output_dir, line)
-    return done
-
-
 def prune_step_checkpoints(output_dir: Path, keep_last_n: Optional[int]) -> List[Path]:
     """Delete all but the newest ``keep_last_n`` complete ``step_N`` directories (None keeps
     all). Directories without a readable ``checkpoint.json`` are neither counted nor deleted."""
@@ -281,18 +201,15 @@ def load_squash_adapter(path: Path) -> Dict[str, torch.Tensor]:
         raise ValueError(f"Cannot read the squash adapter {path}: {e}") from e
 
 
-def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
-    """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
-
-    Shapes, dtypes of indices and the FFI rules are checked by the modules' own state-dict
-    loading (``FFILinear`` validates its indices).
+def check_adapter_fits(
+    own: Dict[str, torch.Tensor], adapter: Dict[str, torch.Tensor], source: Path
+) -> None:
+    """Check that ``adapter`` holds exactly the keys of ``own`` (a model's adapter tensors, or
+    its initial adapter), each with its shape.
 
     Raises:
-        ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
+        ValueError: naming ``source`` and the missing, unexpected or wrongly shaped keys.
     """
-    from squash.training.exports import adapter_state
-
-    own = adapter_state(model)
     expected = set(own)
     missing, unexpected = sorted(expected - adapter.keys()), sorted(adapter.keys() - expected)
     wrong = sorted(
@@ -306,6 +223,20 @@ def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
             f"{'...' if len(unexpected) > 5 else ''}, wrong shapes {wrong[:5]}"
         )
+
+
+def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source: Path) -> None:
+    """Load adapter tensors into ``model``, checking that they are exactly its adapter tensors.
+
+    Shapes, dtypes of indices and the FFI rules are checked by the modules' own state-dict
+    loading (``FFILinear`` validates its indices).
+
+    Raises:
+        ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
+    """
+    from squash.training.exports import adapter_state
+
+    check_adapter_fits(adapter_state(model), adapter, source)
     try:
         model.load_state_dict(adapter, strict=False)
     except (RuntimeError, ValueError) as e:

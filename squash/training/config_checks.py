@@ -162,8 +162,6 @@ def validate_config(cfg: DictConfig, valid_keys: Iterable[str]) -> None:
         ConfigKeyError: naming the first key at fault.
         omegaconf.errors.OmegaConfBaseException: an interpolation that does not resolve.
     """
-    from squash.training.heldout import parse_heldout
-
     check_keys(cfg, valid_keys)
     OmegaConf.to_container(cfg, resolve=True)
     for key, value in cfg.items():
@@ -304,3 +302,31 @@ def dataset_where(cfg_dataset: Any) -> str:
     files = [n.get("data_files") or n.get("source") for n in nodes if isinstance(n, Mapping)]
     files = [to_plain(f) for f in files]
     return f"dataset ({files[0] if len(files) == 1 else files})"
+
+
+HELDOUT_KEYS = frozenset(
+    {"dataset", "batch_size", "prompt_index", "max_new_tokens", "exact_match_samples"}
+)
+
+
+def parse_heldout(block: Optional[Any]) -> Optional[Dict[str, Any]]:
+    """The ``heldout`` block's settings (None when absent), checked.
+
+    Raises:
+        ConfigKeyError: an unknown key, no ``dataset``, a bad value, naming the key.
+    """
+    if block is None:
+        return None
+    if not isinstance(block, DictConfig):
+        block = OmegaConf.create(block)
+    check_keys(block, HELDOUT_KEYS, where="heldout")
+    if block.get("dataset") is None:
+        raise ConfigKeyError("heldout needs a dataset block (heldout.dataset)")
+    check_component(block["dataset"], "heldout.dataset", positional=1)
+    return {
+        "dataset": block["dataset"],
+        "batch_size": get_int(block, "batch_size", 8, minimum=1, where="heldout"),
+        "prompt_index": get_int(block, "prompt_index", 0, minimum=0, where="heldout"),
+        "max_new_tokens": get_int(block, "max_new_tokens", 32, minimum=1, where="heldout"),
+        "exact_match_samples": get_int(block, "exact_match_samples", 0, minimum=0, where="heldout"),
+    }

@@ -31,8 +31,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torchtune import training
 
 from squash.modules import FFILinear, get_adapter_buffers
-from squash.modules.surgery import state_dict_key
-from squash.modules._nf4 import NF4Tensor, to_nf4
+from squash.modules.adapter import state_dict_key
+from squash.nf4 import NF4Tensor, to_nf4
 from squash.training.mask_update import (
     check_drop_keeps_adapters,
     entries_replaced,
@@ -101,7 +101,9 @@ def shard_model(
 
 def _broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``tensor`` from rank ``src`` on every rank, any dtype (sent as bytes, which gloo and NCCL
-    both carry)."""
+    both carry); ``tensor`` itself outside torch.distributed (one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
     tensor = tensor.contiguous()
     dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=src)
     return tensor
@@ -149,7 +151,8 @@ def load_full_state_dict(
     *,
     cpu_offload: bool = False,
 ) -> Tuple[List[str], List[str]]:
-    """Load a full (unsharded) state dict into a model sharded by :func:`shard_model`.
+    """Load a full (unsharded) state dict into a model sharded by :func:`shard_model`, or into a
+    model on the meta device or on ``device`` in one process (nothing is broadcast then).
 
     Each rank keeps its shard of every sharded parameter (torchtune's
     ``load_from_full_model_state_dict`` does the same; NF4 weights are quantized exactly as on one

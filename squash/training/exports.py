@@ -22,41 +22,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune import training
 
-from squash.modules.surgery import state_dict_key
-from squash.sparsity.ffi import ffi_to_dense
-
-
-@dataclass(frozen=True)
-class AdapterLayout:
-    """What the exports need to know of one adapter that its tensors do not say.
-
-    ``alpha`` is None where only the shapes are known (a checkpointer given an adapter state
-    dict): :func:`dense_adapter` reads ``in_features`` alone; the merge needs the scaling.
-    """
-
-    rank: int
-    alpha: Optional[float]
-    in_features: Tuple[int, int]  # input width of lora_a, of lora_b (the rank)
-
-    @property
-    def scaling(self) -> float:
-        if self.alpha is None:
-            raise ValueError("The adapter's alpha is unknown: its scaling cannot be computed")
-        return self.alpha / self.rank
-
-
-def adapter_layout(model: nn.Module) -> Dict[str, AdapterLayout]:
-    """Every adapter of ``model`` by its state-dict name (only the structure is read)."""
-    from squash.modules import get_adapter_modules
-
-    return {
-        name: AdapterLayout(
-            rank=module.rank,
-            alpha=module.alpha,
-            in_features=(module.lora_a.in_features, module.lora_b.in_features),
-        )
-        for name, module in get_adapter_modules(model).items()
-    }
+from squash.modules.adapter import (  # noqa: F401  (exports.* as before)
+    AdapterLayout,
+    adapter_layout,
+    dense_adapter,
+    state_dict_key,
+)
 
 
 def is_adapter_key(key: str) -> bool:
@@ -127,35 +98,6 @@ def squash_adapter(full_sd: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tenso
     """The adapter as squash holds it (FFI ``values`` and ``indices``, dense ``weight``),
     detached, contiguous, on the CPU."""
     return {k: v.detach().cpu().contiguous() for k, v in full_sd.items() if is_adapter_key(k)}
-
-
-def dense_adapter(
-    full_sd: Mapping[str, torch.Tensor], layout: Mapping[str, AdapterLayout]
-) -> Dict[str, torch.Tensor]:
-    """Both factors of every adapter as dense tensors with ``LoRALinear``'s keys
-    (``<module>.lora_a.weight`` ``(rank, in)``, ``<module>.lora_b.weight`` ``(out, rank)``), on the
-    CPU: what PEFT and torchtune's checkpointers take. FFI factors are scattered to dense.
-
-    This is the one FFI -> dense conversion of an adapter: the recipes' exports and the OPT
-    checkpointer (:func:`squash.models.opt._convert_weights.opt_adapter_layout` gives the
-    layout of an adapter state dict it is handed) both call it.
-
-    Args:
-        full_sd (Mapping[str, torch.Tensor]): holds ``<module>.lora_a.*`` and
-            ``<module>.lora_b.*`` of every module of ``layout``, each factor dense
-            (``.weight``) or FFI (``.values`` and ``.indices``); other keys are ignored.
-        layout (Mapping[str, AdapterLayout]): the adapters; only ``in_features`` is read.
-    """
-    out = {}
-    for name, info in layout.items():
-        for factor, width in zip(("lora_a", "lora_b"), info.in_features):
-            prefix = f"{name}.{factor}"
-            if f"{prefix}.indices" in full_sd:
-                dense = ffi_to_dense(full_sd[f"{prefix}.values"], full_sd[f"{prefix}.indices"], width)
-            else:
-                dense = full_sd[f"{prefix}.weight"]
-            out[f"{prefix}.weight"] = dense.detach().cpu().contiguous()
-    return out
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:

@@ -22,40 +22,14 @@ the prompt (the tokens before the first label token) until a stop token or ``max
 from typing import Any, Dict, List, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
 
-from squash.training.config_checks import ConfigKeyError, check_component, check_keys, get_int
-
-HELDOUT_KEYS = frozenset(
-    {"dataset", "batch_size", "prompt_index", "max_new_tokens", "exact_match_samples"}
+from squash.training.config_checks import (  # noqa: F401  (parse_heldout: heldout.* as before)
+    HELDOUT_KEYS,
+    parse_heldout,
 )
-
-
-def parse_heldout(block: Optional[Any]) -> Optional[Dict[str, Any]]:
-    """The ``heldout`` block's settings (None when absent), checked.
-
-    Raises:
-        ConfigKeyError: an unknown key, no ``dataset``, a bad value, naming the key.
-    """
-    if block is None:
-        return None
-    if not isinstance(block, DictConfig):
-        block = OmegaConf.create(block)
-    check_keys(block, HELDOUT_KEYS, where="heldout")
-    if block.get("dataset") is None:
-        raise ConfigKeyError("heldout needs a dataset block (heldout.dataset)")
-    check_component(block["dataset"], "heldout.dataset", positional=1)
-    return {
-        "dataset": block["dataset"],
-        "batch_size": get_int(block, "batch_size", 8, minimum=1, where="heldout"),
-        "prompt_index": get_int(block, "prompt_index", 0, minimum=0, where="heldout"),
-        "max_new_tokens": get_int(block, "max_new_tokens", 32, minimum=1, where="heldout"),
-        "exact_match_samples": get_int(block, "exact_match_samples", 0, minimum=0, where="heldout"),
-    }
-
 
 def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(tokens)

@@ -26,7 +26,7 @@ from torchtune.modules.peft import get_adapter_params
 
 from squash._checks import SPARSE_FACTORS, check_choice, check_int, check_sparsity
 from squash.modules import FFILinear, get_adapter_buffers, get_adapter_modules
-from squash.modules._nf4 import NF4Tensor, nf4_bytes
+from squash.nf4 import NF4Tensor, nf4_bytes
 from squash.sparsity.ffi import fan_in_for, index_dtype
 
 STEP_BYTES = 4  # AdamW's float32 scalar ``step`` per parameter tensor
@@ -271,7 +271,7 @@ def _element_size(dtype: torch.dtype) -> int:
 def base_memory(model: nn.Module) -> int:
     """Bytes of a model's frozen part: every parameter and buffer that is not an adapter's.
 
-    An NF4 weight counts the bytes it holds (:func:`squash.modules._nf4.nf4_bytes`: for a
+    An NF4 weight counts the bytes it holds (:func:`squash.nf4.nf4_bytes`: for a
     ``(576, 576)`` float32 weight with block sizes (64, 216), 165888 bytes of codes + 5184 int8
     scalers + 24 float32 factors + the mean + the 16-entry code book), a dense tensor
     ``numel * element_size``; a tensor that two modules share (tied embeddings) counts once.

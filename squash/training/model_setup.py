@@ -1,20 +1,25 @@
 """Building the adapted model a training recipe trains (and a frozen one, a teacher or a model
-to evaluate): the model config block instantiated, the base weights loaded, the adapters
-initialised (``init: svd`` too) and made the only trainable parameters."""
+to evaluate), in one pass: the model config block instantiated on the meta device with its
+final classes, sharded or not, and loaded once from one full state dict (the base weights or
+their SVD residual, plus the adapter: initial, SVD or resumed). Every training recipe, one device
+or FSDP2, calls :func:`assemble_adapter_model`."""
 
-from typing import Dict, Optional
+from pathlib import Path
+from typing import Callable, Dict, NamedTuple, Optional, Union
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from squash.modules import FFILinear, get_adapter_modules, svd_initialize, use_squash_nf4_
+from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
 from squash.training import checkpoint as ckpt
-from squash.training.adapter_init import initial_adapter_state_dict
+from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.training.config_checks import ConfigKeyError
-from squash.training.exports import adapter_layout, adapter_state, dense_adapter
+from squash.training.distributed import load_full_state_dict
+from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.training.mask_schedule import MaskUpdateSchedule
 
 log = utils.get_logger("INFO")
@@ -66,6 +71,128 @@ def build_adapter_model(
     return model
 
 
+class AdapterModel(NamedTuple):
+    """What :func:`assemble_adapter_model` returns."""
+
+    model: nn.Module
+    """The model, adapter parameters trainable and everything else frozen."""
+    svd_init: Optional[Dict[str, torch.Tensor]]
+    """With ``init: svd``, the dense factors the adapters started from (the PEFT export is
+    relative to the original weights), in the model's dtype; None otherwise."""
+
+
+def _rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def assemble_adapter_model(
+    cfg_model: DictConfig,
+    base_state_dict: Dict[str, torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    mask_update: Optional[MaskUpdateSchedule] = None,
+    activation_checkpointing: bool = False,
+    compile_model: bool = False,
+    seed: int = 0,
+    adapter: Optional[Dict[str, torch.Tensor]] = None,
+    adapter_source: Union[str, Path, None] = None,
+    shard: Optional[Callable[[nn.Module], None]] = None,
+    cpu_offload: bool = False,
+) -> AdapterModel:
+    """The model of ``cfg_model`` (a LoRA, QLoRA or squash builder), assembled in one pass.
+
+    Built on the meta device (nothing drawn), only its adapters trainable, compiled and
+    activation-checkpointed as asked, sharded by ``shard`` (FSDP2) or not, then loaded once from
+    one full state dict: ``base_state_dict`` (with ``init: svd``, each adapted weight replaced
+    by its SVD residual) plus the adapter: ``adapter`` (resumed) if given, else the SVD factors
+    or the initial adapter, each drawn once from a generator of its own (seed, module name), so
+    every device and world size starts from the same adapter.
+
+    Args:
+        cfg_model (DictConfig): the ``model`` block; ``init: svd`` initialises the adapters from
+            the singular vectors of the base weights.
+        base_state_dict (Dict[str, torch.Tensor]): the base model's weights (torchtune keys).
+        device (torch.device): the compute device.
+        dtype (torch.dtype): parameter dtype.
+        mask_update (Optional[MaskUpdateSchedule]): the ``mask_update`` schedule, if any (needs
+            a sparse factor).
+        activation_checkpointing (bool): wrap each self-attention layer. Default False.
+        compile_model (bool): compile each layer. Default False.
+        seed (int): seeds each adapter's initialisation with its module name. Default 0.
+        adapter (Optional[Dict[str, torch.Tensor]]): a resumed adapter, loaded instead of the
+            initial one; it must hold exactly the model's adapter tensors.
+        adapter_source (Union[str, Path, None]): where ``adapter`` came from, for messages.
+        shard (Optional[Callable[[nn.Module], None]]): shards the model in place (FSDP2), after
+            compile and activation checkpointing, before the load.
+        cpu_offload (bool): the sharded parameters live on the CPU.
+
+    Returns:
+        AdapterModel: the model and, with ``init: svd``, its initial dense factors.
+
+    Raises:
+        ConfigKeyError: a model without adapters, ``mask_update`` without a sparse factor,
+            ``init: svd`` without squash adapters.
+        ValueError: base weights or an adapter that do not fit the model.
+    """
+    svd = cfg_model.get("init", "lora") == "svd"
+    model = build_adapter_model(cfg_model, device="meta", dtype=dtype, mask_update=mask_update)
+    adapters = get_adapter_modules(model)
+    if compile_model:
+        training.compile_model(model, verbose=_rank_zero())
+    if activation_checkpointing:
+        training.set_activation_checkpointing(
+            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+        )
+    if shard is not None:
+        shard(model)
+    # what the state dict does not hold: the adapters' own materialisation, RoPE caches
+    adapter_ids = {id(m) for m in adapters.values()}
+    with training.set_default_dtype(dtype), device:
+        for module in model.modules():
+            if id(module) in adapter_ids:
+                module.to_empty(device="cpu" if cpu_offload else device)
+            if hasattr(module, "rope_init"):
+                module.rope_init()
+
+    # Every adapter drawn from a generator of its own (seed, module name): the same adapter on
+    # every device and world size.
+    if svd:
+        initial, residual = svd_initial_state(model, base_state_dict)
+        if not initial:
+            raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
+        base_state_dict = {**base_state_dict, **residual}
+        log.info(f"SVD-initialised {len(residual)} adapters from the loaded base weights")
+    else:
+        initial = initial_adapter_state_dict(model, seed)
+    svd_init = None
+    if svd:  # the PEFT export is relative to the original weights
+        # copies: loaded on one device, a dense factor's tensor becomes the live parameter and
+        # would train along
+        dense = dense_adapter(initial, adapter_layout(model))
+        svd_init = {k: v.to(dtype).clone() for k, v in dense.items()}
+    if adapter is not None:
+        ckpt.check_adapter_fits(initial, adapter, adapter_source)
+    missing, unexpected = load_full_state_dict(
+        model, {**base_state_dict, **(initial if adapter is None else adapter)}, device,
+        cpu_offload=cpu_offload,
+    )  # fmt: skip
+    if missing or unexpected:
+        raise ValueError(
+            f"The base checkpoint does not fit model {cfg_model._component_}: missing "
+            f"{missing[:5]}, unexpected {list(unexpected)[:5]}"
+        )
+    training.validate_no_params_on_meta_device(model)
+    training.validate_expected_param_dtype(get_adapter_params(model).items(), dtype)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if _rank_zero():
+        log.info(
+            f"Model {cfg_model._component_}: {len(adapters)} adapters, {n_train:,} trainable "
+            f"parameters, {dtype}, on {device}"
+        )
+    return AdapterModel(model, svd_init)
+
+
 def setup_adapter_model(
     cfg_model: DictConfig,
     base_state_dict: Dict[str, torch.Tensor],
@@ -77,58 +204,16 @@ def setup_adapter_model(
     compile_model: bool = False,
     seed: int = 0,
 ) -> nn.Module:
-    """Build the model of ``cfg_model`` (a LoRA, QLoRA or squash builder), load the base weights,
-    make only the adapters trainable and apply ``init: svd``, activation checkpointing and
-    compile.
-
-    Args:
-        cfg_model (DictConfig): the ``model`` block; ``init: svd`` initialises the adapters from
-            the singular vectors of the loaded base weights.
-        base_state_dict (Dict[str, torch.Tensor]): the base model's weights (torchtune keys).
-        device (torch.device): where the model is built.
-        dtype (torch.dtype): parameter dtype.
-        mask_update (Optional[MaskUpdateSchedule]): the ``mask_update`` schedule, if any (needs
-            a sparse factor).
-        activation_checkpointing (bool): wrap each self-attention layer. Default False.
-        compile_model (bool): compile each layer. Default False.
-        seed (int): seeds each adapter's initialisation with its module name. Default 0.
-
-    Returns:
-        nn.Module: the model, adapter parameters trainable and everything else frozen.
+    """:func:`assemble_adapter_model`'s model, on one device, with its initial adapter.
 
     Raises:
-        ConfigKeyError: a model without adapters, ``mask_update`` without a sparse factor,
-            ``init: svd`` without squash adapters.
-        ValueError: base weights that do not fit the model.
+        As :func:`assemble_adapter_model`.
     """
-    svd = cfg_model.get("init", "lora") == "svd"
-    model = build_adapter_model(cfg_model, device=device, dtype=dtype, mask_update=mask_update)
-    adapters = get_adapter_modules(model)
-
-    load_all_but_adapters(
-        model, base_state_dict, f"The base checkpoint does not fit model {cfg_model._component_}"
-    )
-    # Every adapter drawn from a generator of its own (seed, module name): the same adapter as
-    # the distributed recipe's, whatever the device or world size.
-    ckpt.load_adapter_into(model, initial_adapter_state_dict(model, seed), "the initial adapter")
-    if svd:
-        done = svd_initialize(model, base_state_dict)
-        if not done:
-            raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
-        log.info(f"SVD-initialised {len(done)} adapters from the loaded base weights")
-    training.validate_expected_param_dtype(get_adapter_params(model).items(), dtype)
-    if activation_checkpointing:
-        training.set_activation_checkpointing(
-            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-        )
-    if compile_model:
-        training.compile_model(model)
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info(
-        f"Model {cfg_model._component_}: {len(adapters)} adapters, {n_train:,} trainable "
-        f"parameters, {dtype}, on {device}"
-    )
-    return model
+    return assemble_adapter_model(
+        cfg_model, base_state_dict, device=device, dtype=dtype, mask_update=mask_update,
+        activation_checkpointing=activation_checkpointing, compile_model=compile_model,
+        seed=seed,
+    ).model  # fmt: skip
 
 
 def setup_frozen_model(
@@ -158,14 +243,3 @@ def setup_frozen_model(
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
-
-
-def svd_init_factors(cfg_model: DictConfig, model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
-    """With ``init: svd``, the dense factors the adapters start from (call it right after
-    :func:`setup_adapter_model`): the PEFT export is relative to the original weights."""
-    if cfg_model.get("init", "lora") != "svd":
-        return None
-    # copies: a dense factor's tensor would otherwise be the live parameter (on the CPU,
-    # detach().cpu() keeps its storage) and train along, and the delta would lose B0 A0
-    dense = dense_adapter(adapter_state(model), adapter_layout(model))  # no NF4 dequantized
-    return {k: v.clone() for k, v in dense.items()}

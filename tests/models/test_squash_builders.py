@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from squash.modules._nf4 import NF4Tensor
+from squash.nf4 import NF4Tensor
 from torchtune.models.llama3_2 import lora_llama3_2, lora_llama3_2_1b, lora_llama3_2_3b
 from torchtune.models.qwen2_5 import lora_qwen2_5_0_5b, lora_qwen2_5_1_5b_instruct
 from torchtune.modules.peft import LoRALinear, disable_adapter

@@ -9,7 +9,7 @@ from torch import nn
 from torchtune.models.llama3_2._component_builders import lora_llama3_2
 
 from squash.modules import NF4Linear, NF4LoRALinear, SparseLoRALinear
-from squash.modules._nf4 import (
+from squash.nf4 import (
     NF4Tensor,
     nf4_block_sizes,
     nf4_bytes,

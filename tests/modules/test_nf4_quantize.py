@@ -4,9 +4,10 @@ replaces), element for element and through to_nf4, on random, adversarial and re
 import pytest
 import torch
 
-import squash.modules._nf4  # noqa: F401  (installs the override)
-from squash.modules import _register_nf4_ops as ops
-from squash.modules._nf4 import NF4Tensor, to_nf4
+from squash.nf4 import NF4Tensor, install_torchao_extensions, to_nf4
+from squash.nf4 import extensions as ops
+
+install_torchao_extensions()  # squash's nearest-level search in to_nf4
 
 
 def _levels(dtype):

@@ -4,7 +4,7 @@ plain QLoRA (NF4 of the original weight)."""
 import pytest
 import torch
 from torch import nn
-from squash.modules._nf4 import NF4Tensor, to_nf4
+from squash.nf4 import NF4Tensor, to_nf4
 from torchtune.modules.peft import LoRALinear
 
 from squash.modules import FFILinear, SparseLoRALinear
@@ -395,11 +395,12 @@ def test_nf4_import_falls_back_to_the_newer_torchao_location(monkeypatch):
     import sys
     import types
 
-    import squash.modules._nf4 as nf4
+    import squash.nf4._torchao as nf4
     import torchao.dtypes.nf4tensor as old
 
     new = types.ModuleType("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
     new.NF4Tensor, new.linear_nf4, new.to_nf4 = old.NF4Tensor, old.linear_nf4, old.to_nf4
+    new.implements = old.implements
     monkeypatch.setitem(sys.modules, "torchao.dtypes.nf4tensor", None)  # import raises
     monkeypatch.setitem(sys.modules, new.__name__, new)
     try:

@@ -7,7 +7,7 @@ import torch
 
 import squash  # noqa: F401  (registers torch.ops.squash.*)
 from squash.ops import _loader, nf4_dequantize, nf4_linear
-from squash.ops.nf4 import _inner, reference_dequantize
+from squash.nf4.ops import _inner, reference_dequantize
 
 from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
 
@@ -138,7 +138,7 @@ def test_torchao_switch_routes_to_linear_nf4(monkeypatch):
     monkeypatch.setattr(_loader, "_env", {})
     monkeypatch.setenv("SQUASH_NF4", "torchao")
     calls = []
-    import squash.ops.nf4 as mod
+    import squash.nf4.ops as mod
 
     monkeypatch.setattr(mod, "linear_nf4", lambda **kw: calls.append(kw) or kw["input"])
     w = to_nf4(_weight((128, 128), torch.float32))

@@ -194,7 +194,7 @@ def test_svd_init_exports_merged_weights_near_the_original_and_a_peft_delta(run,
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from squash.modules._nf4 import to_nf4
+    from squash.nf4 import to_nf4
 
     run(tmp_path / "lr0", "epochs=1", "max_steps_per_epoch=1", "model.init=svd", "~mask_update")
     original = load_file(TINY / "model.safetensors")

@@ -3,7 +3,7 @@ rest on 2 processes)."""
 
 import torch
 
-from squash.modules._nf4 import to_nf4
+from squash.nf4 import to_nf4
 from squash.training.distributed import nf4_shardable
 
 

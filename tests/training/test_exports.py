@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from squash.models.opt import qlora_opt_tiny, squash_opt_tiny
-from squash.modules._nf4 import NF4Tensor
+from squash.nf4 import NF4Tensor
 from squash.modules import get_adapter_modules
 from squash.training import exports
 

@@ -21,8 +21,8 @@ from squash.models.opt._convert_weights import (
     opt_tune_to_peft_adapter_config,
     opt_tune_to_peft_adapter_weights,
 )
-from squash.training.checkpoint import atomic_directory, clean_stale_temporaries
-from squash.training.exports import dense_adapter
+from squash._io import atomic_directory, clean_stale_temporaries
+from squash.modules.adapter import dense_adapter
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ class OPTCheckpointer:
     (squash keys, for resuming) plus PEFT's ``adapter_model.safetensors`` and
     ``adapter_config.json``. This class only loads and saves the files: each epoch directory
     (and ``recipe_state``) is written through squash's one atomic writer,
-    :func:`squash.training.checkpoint.atomic_directory`, so it is either complete or absent; what
+    :func:`squash._io.atomic_directory`, so it is either complete or absent; what
     a save killed midway leaves behind (a hidden temporary directory, or an existing epoch moved
     aside and not yet replaced) is removed, or restored, by
-    :func:`~squash.training.checkpoint.clean_stale_temporaries` before each save (the recipes
+    :func:`~squash._io.clean_stale_temporaries` before each save (the recipes
     also clean up once they own ``output_dir``). One process writes to an ``output_dir`` at a
     time.
 

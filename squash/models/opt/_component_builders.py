@@ -51,7 +51,7 @@ from squash.models.opt._decoder import (
     OPTPostNormLayer,
 )
 from squash.modules import FlatTiedLinear, NF4LoRALinear, SparseLoRALinear, get_adapter_modules
-from squash.modules._nf4 import check_nf4_shape
+from squash.nf4 import check_nf4_shape, install_torchao_extensions
 
 
 def opt(
@@ -308,6 +308,7 @@ def lora_opt(
     if sparsity is None and init != "lora":
         raise ValueError(f"init={init!r} needs sparse adapters: give a sparsity")
     if quantize_base:  # name the layer before torchao fails on it with a bare assertion
+        install_torchao_extensions()
         for name, shape in _adapted_shapes(
             lora_attn_modules, apply_lora_to_mlp, embed_dim, intermediate_dim
         ).items():

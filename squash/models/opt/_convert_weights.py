@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from squash.sparsity import validate_ffi
-from squash.training.exports import AdapterLayout
+from squash.modules.adapter import AdapterLayout
 
 # HF key (without the "model." prefix) -> squash key; None = drop.
 _FROM_HF = {
@@ -257,7 +257,7 @@ def opt_adapter_layout(
     state_dict: Dict[str, torch.Tensor], config: Dict[str, Any]
 ) -> Dict[str, AdapterLayout]:
     """Check a squash adapter state dict for the OPT of ``config`` and say how wide each factor
-    is, for :func:`squash.training.exports.dense_adapter` (the one FFI -> dense conversion).
+    is, for :func:`squash.modules.adapter.dense_adapter` (the one FFI -> dense conversion).
 
     Every key is ``X.lora_a.*`` or ``X.lora_b.*`` of an OPT linear ``X``
     (``layers.0.attn.q_proj``, ...), each factor either dense (``.weight``) or FFI (``.values``

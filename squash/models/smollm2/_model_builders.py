@@ -9,22 +9,21 @@ tied to the token embeddings (torchtune's ``TiedLinear``, computed as one 2-D ma
 builders with SmolLM2's numbers, not a copy of them.
 
 QLoRA: torchtune's ``quantize_base=True`` quantizes with torchao's default NF4 block sizes, which
-refuse the 576x576 and 192x576 projections; ``qlora_smollm2_135m`` builds the LoRA model
-unquantized and quantizes each base with block sizes chosen for its shape
-(:func:`squash.modules._nf4.quantize_base_`).
+refuse the 576x576 and 192x576 projections; the adapted models here are built in one pass by
+:func:`squash.models.squash_llama3_2` (torchtune's ``lora_llama3_2`` with each projection
+constructed as what it stays: NF4 bases with block sizes chosen for their shape,
+``SparseLoRALinear`` or torchtune's ``LoRALinear`` adapters).
 """
 
 from functools import partial
 from typing import List
 
-from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
+from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import TransformerDecoder
-from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
-from squash.models._squash_builders import squash_model
+from squash.models._squash_builders import squash_llama3_2
 from squash.modules import flatten_tied_output
-from squash.modules._nf4 import quantize_base_
 
 # SmolLM2-135M's sizes, as in its config.json (and the GGUF's metadata).
 SMOLLM2_135M = dict(
@@ -81,30 +80,18 @@ def lora_smollm2_135m(
     Returns:
         TransformerDecoder: the model.
     """
-    model = lora_llama3_2(
+    return squash_llama3_2(
         lora_attn_modules=lora_attn_modules,
         apply_lora_to_mlp=apply_lora_to_mlp,
         apply_lora_to_output=apply_lora_to_output,
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        quantize_base=False,  # torchtune's default NF4 block sizes refuse 576x576
+        quantize_base=quantize_base,
+        sparsity=None,  # torchtune's LoRALinear (NF4LoRALinear on an NF4 base)
+        state_dict_dtype=None,  # the model's (torchtune's bf16 would round an fp32 run's merge)
         **SMOLLM2_135M,
     )
-    flatten_tied_output(model)
-    if quantize_base:
-        quantize_base_(model)
-        # As torchtune's QLoRA builders: state dicts hold the NF4 bases dequantized, offloaded
-        # to the CPU on the fly; in the model's dtype (the hook's default is bf16, which would
-        # round an fp32 run's merged weights).
-        model._register_state_dict_hook(
-            partial(
-                reparametrize_as_dtype_state_dict_post_hook,
-                dtype=model.tok_embeddings.weight.dtype,
-                offload_to_cpu=True,
-            )
-        )
-    return model
 
 
 qlora_smollm2_135m = partial(lora_smollm2_135m, quantize_base=True)
@@ -129,9 +116,8 @@ def squash_smollm2_135m(
 ) -> TransformerDecoder:
     """SmolLM2-135M with FFI-sparse LoRA adapters on an NF4 base (see :func:`lora_smollm2_135m`).
 
-    Built by :func:`squash.models.squash_model`: :func:`lora_smollm2_135m` (NF4 bases with block
-    sizes chosen per weight), each ``LoRALinear`` then swapped for a ``SparseLoRALinear`` that
-    keeps rank, alpha, dropout and the base.
+    Built in one pass by :func:`squash.models.squash_llama3_2`: each adapted projection a
+    ``SparseLoRALinear`` on an NF4 base with block sizes chosen for its shape.
 
     Args:
         lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections to adapt, from
@@ -144,10 +130,10 @@ def squash_smollm2_135m(
         quantize_base (bool): NF4 base weights (QLoRA). Default: True
         sparsity (float): fraction of zeros of each sparse factor. Default: 0.9
         sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
-        init (str): ``"lora"`` or ``"svd"``, see :func:`squash.models.squash_model`.
+        init (str): ``"lora"`` or ``"svd"``, see :func:`squash.models.linear`.
             Default: ``"lora"``
 
     Returns:
         TransformerDecoder: the model.
     """
-    return squash_model(lora_smollm2_135m, **locals())
+    return squash_llama3_2(**locals(), state_dict_dtype=None, **SMOLLM2_135M)

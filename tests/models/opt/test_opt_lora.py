@@ -121,7 +121,7 @@ def test_qlora_matches_base_with_dequantized_weights(make_hf, tmp_path):
     tokens = torch.randint(3, 96, (2, 10))
     # Independent reference: transformers' model with each adapted weight replaced by torchao's
     # NF4 round trip of the checkpoint weight, every other weight as in the checkpoint.
-    from squash.modules._nf4 import to_nf4
+    from squash.nf4 import to_nf4
 
     hf_sd = hf.state_dict()
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 from torchtune.training import FullModelHFCheckpointer
 
 from squash.modules import SparseLoRALinear
-from squash.modules._nf4 import NF4Tensor, to_nf4
+from squash.nf4 import NF4Tensor, to_nf4
 
 pytestmark = pytest.mark.smollm2
 

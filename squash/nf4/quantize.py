@@ -1,7 +1,5 @@
-"""torchao's NF4 tensor, from whichever location this torchao has it in, for every weight shape.
-
-torchao < 0.16 (what torchtune 0.6.1 needs) keeps NF4 in ``torchao.dtypes.nf4tensor``; later
-releases moved it to ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor``.
+"""NF4 quantization for every weight shape: block sizes chosen per weight, and a model's frozen
+bases quantized in place.
 
 torchao quantizes blocks of ``block_size`` elements (64 by default) and then the blocks' scalers
 in blocks of ``scaler_block_size`` (256), so its defaults only take weights with a multiple of
@@ -10,24 +8,16 @@ in blocks of ``scaler_block_size`` (256), so its defaults only take weights with
 largest block size) that divides it, and :func:`quantize_nf4` quantizes with them; the NF4 tensor
 itself records both (``NF4Tensor.block_size``, ``.scaler_block_size``), so dequantization, a
 state-dict load (torchao's ``copy_`` re-quantizes a plain tensor with the target's sizes) and a
-clone keep them.
+clone (squash's, :func:`~squash.nf4.install_torchao_extensions`) keep them.
 """
 
 from typing import Optional, Tuple
 
 import torch
 
-try:
-    from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
-except ImportError:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # type: ignore
-        NF4Tensor,
-        linear_nf4,
-        to_nf4,
-    )
-
-# clone keeps the block sizes (this module replaces torchtune's override of it)
-from squash.modules import _register_nf4_ops  # noqa: E402,F401
+from squash.nf4._torchao import NF4Tensor, linear_nf4, to_nf4
+from squash.nf4.extensions import install_torchao_extensions
+from squash.nf4.modules import is_plain_lora, use_squash_nf4_
 
 __all__ = [
     "NF4Tensor",
@@ -138,6 +128,7 @@ def quantize_nf4(
         block_size = block_size or DEFAULT_BLOCK_SIZE
         scaler_block_size = scaler_block_size or DEFAULT_SCALER_BLOCK_SIZE
         check_nf4_shape(name, tuple(weight.shape), block_size, scaler_block_size)
+    install_torchao_extensions()
     return to_nf4(weight, block_size, scaler_block_size)
 
 
@@ -156,9 +147,9 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
     What torchtune's QLoRA builders (``quantize_base=True``) quantize, for models whose shapes
     torchtune's default block sizes refuse: build the model with ``quantize_base=False``, then call
     this. The base of each ``LoRALinear`` becomes an NF4 parameter and the module an
-    :class:`~squash.modules.NF4LoRALinear` (torchtune's QLoRA ``LoRALinear`` computed with squash's
+    :class:`~squash.nf4.NF4LoRALinear` (torchtune's QLoRA ``LoRALinear`` computed with squash's
     NF4 kernel, equal bit for bit); each plain ``nn.Linear`` (a projection left without an
-    adapter) becomes an :class:`~squash.modules.NF4Linear` (torchtune's ``FrozenNF4Linear``, the
+    adapter) becomes an :class:`~squash.nf4.NF4Linear` (torchtune's ``FrozenNF4Linear``, the
     same way) holding its weight. The adapter factors, embeddings and output projection are left
     as they are.
 
@@ -173,8 +164,7 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
     """
     from torchtune.modules.low_precision import FrozenNF4Linear
 
-    from squash.modules.nf4_lora import is_plain_lora, use_squash_nf4_
-
+    install_torchao_extensions()
     for layer_name, layer in model.layers.named_modules(prefix="layers"):
         if hasattr(layer, "adapter_params"):  # an adapter's factors stay as they are
             continue

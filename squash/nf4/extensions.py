@@ -1,34 +1,33 @@
-"""NF4 dispatch overrides squash needs, registered in torchao's NF4 op table on import.
+"""squash's extensions to torchao's NF4 tensor, installed by an explicit call, never on import.
 
-torchtune's ``_register_nf4_dispatch_ops`` (imported first, so that this registration is the
-last) makes ``clone`` re-quantize the dequantized weight with torchao's default block sizes,
-which fails on, or silently changes, a weight quantized with other sizes
-(:func:`squash.modules._nf4.nf4_block_sizes`). Here ``clone`` copies the quantized parts
-themselves, block sizes included: the copy dequantizes to exactly the original's values.
+:func:`install_torchao_extensions` (idempotent; the builders and quantize functions that need it
+call it) does two things to torchao's ``NF4Tensor``:
+
+- ``clone``: torchtune's ``_register_nf4_dispatch_ops`` makes ``clone`` re-quantize the
+  dequantized weight with torchao's default block sizes, which fails on, or silently changes, a
+  weight quantized with other sizes (:func:`squash.nf4.nf4_block_sizes`). squash's ``clone``
+  copies the quantized parts themselves, block sizes included: the copy dequantizes to exactly
+  the original's values. It is registered after torchtune's (imported first), so it wins.
+- ``quantize_tensor_nearest``: :func:`quantize_tensor_nearest`, the same indices as torchao's
+  without its ``(numel, 16)`` distance table.
+
+Importing squash changes neither (tests/test_import.py).
 """
 
 import torch
-from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
 
-try:
-    from torchao.dtypes.nf4tensor import NF4Tensor, implements
-except ImportError:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (  # type: ignore
-        NF4Tensor,
-        implements,
-    )
+from squash.nf4._torchao import NF4Tensor, implements
+
+_TORCHAO_NEAREST = NF4Tensor.quantize_tensor_nearest
+_installed = False
 
 
-@implements([torch.ops.aten.clone.default])
 def clone(func, *args, **kwargs):
     """An NF4 tensor's clone with its own block sizes and quantized values."""
     original = args[0][0]
     names, ctx = original.__tensor_flatten__()
     inner = {n: getattr(original, n).clone() for n in names}
     return NF4Tensor.__tensor_unflatten__(inner, ctx, original.shape, original.stride())
-
-
-_TORCHAO_NEAREST = NF4Tensor.quantize_tensor_nearest
 
 
 def quantize_tensor_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
@@ -65,4 +64,21 @@ def quantize_tensor_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Ten
     return best
 
 
-NF4Tensor.quantize_tensor_nearest = staticmethod(quantize_tensor_nearest)
+def install_torchao_extensions() -> None:
+    """Install squash's NF4 ``clone`` and ``quantize_tensor_nearest`` into torchao's
+    ``NF4Tensor`` (once; later calls do nothing).
+
+    Called by everything that builds or quantizes an NF4 base (:func:`squash.nf4.quantize_nf4`,
+    :func:`squash.nf4.quantize_base_`, :func:`squash.nf4.use_squash_nf4_`, the model builders),
+    so a user of those needs no call of their own.
+    """
+    global _installed
+    if _installed:
+        return
+    # torchtune registers its own clone on import of this module: import it first so that
+    # squash's registration is the last.
+    from torchtune.modules.low_precision import _register_nf4_dispatch_ops  # noqa: F401
+
+    implements([torch.ops.aten.clone.default])(clone)
+    NF4Tensor.quantize_tensor_nearest = staticmethod(quantize_tensor_nearest)
+    _installed = True

@@ -1,7 +1,7 @@
 """torchtune's NF4 modules computed with squash's NF4 kernel.
 
 :class:`NF4LoRALinear` is torchtune's ``LoRALinear`` and :class:`NF4Linear` torchtune's
-``FrozenNF4Linear`` with one change: an NF4 base runs through :func:`squash.ops.nf4_linear`
+``FrozenNF4Linear`` with one change: an NF4 base runs through :func:`squash.nf4.nf4_linear`
 (squash's dequantization kernel) instead of torchao's ``linear_nf4``. Their results are equal bit
 for bit (the kernel's dequantization equals torchao's exactly, and the products and sums are the
 same, in the same order); only the time differs: on the CPU torchao dequantizes in many small
@@ -18,12 +18,13 @@ from torch import nn
 from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import LoRALinear
 
-from squash.ops.nf4 import nf4_linear
+from squash.nf4.extensions import install_torchao_extensions
+from squash.nf4.ops import nf4_linear
 
 
 class NF4LoRALinear(LoRALinear):
     """torchtune's :class:`~torchtune.modules.peft.LoRALinear` whose NF4 base (``quantize_base``)
-    is computed by :func:`squash.ops.nf4_linear`; everything else is ``LoRALinear``'s, and so are
+    is computed by :func:`squash.nf4.nf4_linear`; everything else is ``LoRALinear``'s, and so are
     the constructor's arguments."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ class NF4LoRALinear(LoRALinear):
 class NF4Linear(FrozenNF4Linear):
     """torchtune's :class:`~torchtune.modules.low_precision.FrozenNF4Linear` (a frozen linear
     with an NF4 weight, a projection left without an adapter) computed by
-    :func:`squash.ops.nf4_linear`; the constructor's arguments are ``FrozenNF4Linear``'s."""
+    :func:`squash.nf4.nf4_linear`; the constructor's arguments are ``FrozenNF4Linear``'s."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """
@@ -86,6 +87,7 @@ def use_squash_nf4_(model: nn.Module) -> nn.Module:
     Returns:
         nn.Module: ``model``.
     """
+    install_torchao_extensions()
     for module in model.modules():
         if type(module) is LoRALinear and module._quantize_base:
             module.__class__ = NF4LoRALinear

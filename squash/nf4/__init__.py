@@ -1,0 +1,52 @@
+"""NF4 in one place: torchao's NF4 tensor (one import fallback, :mod:`squash.nf4._torchao`),
+block sizes for every weight shape and quantization (:mod:`~squash.nf4.quantize`), the
+``torch.ops.squash.nf4_*`` custom ops (:mod:`~squash.nf4.ops`, registered on import), torchtune's
+NF4 modules computed with them (:mod:`~squash.nf4.modules`), and squash's extensions to torchao's
+``NF4Tensor`` (:mod:`~squash.nf4.extensions`), installed by :func:`install_torchao_extensions`,
+never on import. The kernels are ``kernels/nf4_*``.
+
+The modules and quantization helpers (which import torchtune's modules) load on first use, so
+``import squash`` (which registers the ops) stays as light as the ops are."""
+
+import importlib
+
+from squash.nf4._torchao import NF4Tensor, linear_nf4, to_nf4
+from squash.nf4.extensions import install_torchao_extensions
+from squash.nf4.ops import nf4_dequantize, nf4_linear
+
+_LAZY = {
+    "NF4Linear": "modules",
+    "NF4LoRALinear": "modules",
+    "is_plain_lora": "modules",
+    "use_squash_nf4_": "modules",
+    "check_nf4_shape": "quantize",
+    "nf4_block_sizes": "quantize",
+    "nf4_bytes": "quantize",
+    "quantize_base_": "quantize",
+    "quantize_nf4": "quantize",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"squash.nf4.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'squash.nf4' has no attribute {name!r}")
+
+
+__all__ = [
+    "NF4Linear",
+    "NF4LoRALinear",
+    "NF4Tensor",
+    "check_nf4_shape",
+    "install_torchao_extensions",
+    "is_plain_lora",
+    "linear_nf4",
+    "nf4_block_sizes",
+    "nf4_bytes",
+    "nf4_dequantize",
+    "nf4_linear",
+    "quantize_base_",
+    "quantize_nf4",
+    "to_nf4",
+    "use_squash_nf4_",
+]

@@ -1,0 +1,91 @@
+"""Importing squash has no side effects on torchao or torchtune: NF4Tensor's attributes and
+torchao's NF4 op table (where torchtune registers its NF4 overrides) hold the very same objects
+before and after; squash's extensions arrive only with ``install_torchao_extensions()``."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+_PROBE = r"""
+import json, sys
+import torchao.dtypes.nf4tensor as nf4tensor
+import torchtune.modules.low_precision  # noqa: F401  (torchtune's own NF4 registrations)
+import torchtune.modules.peft, torchtune.models.llama3_2, torchtune.models.qwen2_5  # noqa: F401
+import torchtune.training  # noqa: F401
+
+def snapshot():
+    cls = nf4tensor.NF4Tensor
+    return ({k: id(v) for k, v in vars(cls).items()},
+            {str(k): id(v) for k, v in nf4tensor.NF4_OPS_TABLE.items()},
+            id(cls.quantize_tensor_nearest))
+
+before = snapshot()
+for name in sys.argv[1:]:
+    __import__(name)
+after = snapshot()
+import squash.nf4
+squash.nf4.install_torchao_extensions()
+squash.nf4.install_torchao_extensions()  # idempotent
+installed = snapshot()
+changed = lambda a, b: sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+print(json.dumps({
+    "attributes": changed(before[0], after[0]),
+    "ops": changed(before[1], after[1]),
+    "installed_attributes": changed(after[0], installed[0]),
+    "installed_ops": changed(after[1], installed[1]),
+}))
+"""
+
+
+def test_importing_squash_changes_no_torchao_or_torchtune_object():
+    modules = ["squash", "squash.modules", "squash.models", "squash.models.opt",
+               "squash.models.smollm2", "squash.nf4", "squash.ops.nf4"]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", _PROBE, *modules], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    diff = json.loads(out.strip().splitlines()[-1])
+    assert diff["attributes"] == [] and diff["ops"] == [], diff
+    # the explicit call installs exactly squash's two extensions
+    assert diff["installed_attributes"] == ["quantize_tensor_nearest"], diff
+    assert diff["installed_ops"] == ["aten.clone.default"], diff
+
+
+def test_one_version_string():
+    import tomllib  # noqa: PLC0415
+
+    import squash
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert isinstance(squash.__version__, str) and squash.__version__.count(".") == 2
+
+
+def _imports(path):
+    """The squash modules ``path`` imports (at any depth of the file, functions included)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n == "squash" or n.startswith("squash.")}
+
+
+def test_layers_point_down():
+    """models/ never imports training/; the layers under models/ (modules, nf4, ops, sparsity)
+    import neither; ops/ does not import nf4/ (nf4 is built on ops)."""
+    below_training = ["models", "modules", "nf4", "ops", "sparsity"]
+    for folder in below_training:
+        for path in (REPO / "squash" / folder).rglob("*.py"):
+            bad = {n for n in _imports(path) if n.startswith("squash.training")}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    for folder in ["modules", "nf4", "ops", "sparsity"]:
+        for path in (REPO / "squash" / folder).rglob("*.py"):
+            bad = {n for n in _imports(path) if n.startswith("squash.models")}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    for path in (REPO / "squash" / "ops").rglob("*.py"):
+        bad = {n for n in _imports(path) if n.startswith("squash.nf4")}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
