@@ -220,7 +220,7 @@ def _check_data_files(node: Mapping, where: str) -> None:
             raise ConfigKeyError(f"{where}.data_files: {f} does not exist (or is not a file)")
         if path.stat().st_size == 0:
             raise ConfigKeyError(f"{where}.data_files: {f} is empty (0 bytes)")
-        if node.get("source") == "json":
+        if node.get("source") == "json" and path.suffix in (".json", ".jsonl"):  # not .gz etc.
             _parse_json(path, f"{where}.data_files", lines_ok=True)
 
 

@@ -290,3 +290,15 @@ def test_tune_run_prints_one_line_and_writes_nothing(tmp_path):
     )
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("shuffle=maybe", "shuffle must be true or false, got 'maybe'"),
+    ("model.sparse_factor=c", "model.sparse_factor must be one of a, b, both, got 'c'"),
+    ("optimizer.lr=-1", "optimizer.lr must be a number, finite and > 0, got -1"),
+])
+def test_squash_validate_refuses_the_same_values(capsys, override, message):
+    from squash.cli import main
+
+    assert main(["validate", str(TINY_CONFIG), override]) == 1
+    assert capsys.readouterr().err.strip() == f"squash validate: {TINY_CONFIG}: config error: {message}"
