@@ -292,6 +292,35 @@ def test_tune_run_prints_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
+def test_tune_run_refuses_a_resume_and_a_damaged_checkpoint_in_one_line(trained, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    before = _tree(out)
+    proc = tune_run(out, "resume_from_checkpoint=True", "epochs=2", "max_steps_per_epoch=1",
+                    "batch_size=2", check=False)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"squash_finetune: config error: resume_from_checkpoint: the config differs from the run "
+        f"that wrote {out / 'epoch_1'} in keys that change the results: batch_size: 4"
+    )
+    assert _tree(out) == before  # its torchtune_config.yaml included
+    file = out / "epoch_1" / "checkpoint.json"
+    meta = json.loads(file.read_text())
+    meta["format"] = 99
+    meta["sha256"] = manifest._self_hash(meta)
+    file.write_text(json.dumps(meta))
+    before = _tree(out)
+    proc = tune_run(out, "resume_from_checkpoint=True", "epochs=2", "max_steps_per_epoch=1",
+                    check=False)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"squash_finetune: checkpoint error: {file} is of checkpoint format 99; this squash reads "
+        "format 2 only (a checkpoint from another squash version?)"
+    )
+    assert _tree(out) == before
+
+
 @pytest.mark.parametrize("override, message", [
     ("shuffle=maybe", "shuffle must be true or false, got 'maybe'"),
     ("model.sparse_factor=c", "model.sparse_factor must be one of a, b, both, got 'c'"),
