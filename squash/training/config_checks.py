@@ -308,7 +308,7 @@ def check_value_types(cfg: Mapping) -> None:
 BOOLEAN_KEYS = (
     "shuffle", "compile", "resume_from_checkpoint", "save_adapter_weights_only",
     "enable_activation_checkpointing", "enable_activation_offloading", "log_peak_memory_stats",
-    "resume_allow_config_change", "low_cpu_ram",
+    "resume_allow_config_change", "low_cpu_ram", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
 )  # fmt: skip
 MODEL_BOOLEAN_KEYS = ("apply_lora_to_mlp", "apply_lora_to_output", "quantize_base", "use_dora")
 DATASET_BOOLEAN_KEYS = ("packed", "train_on_input")
