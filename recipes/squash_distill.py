@@ -163,14 +163,16 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                 check_component(cfg[key], key, positional=positional)
         self._run_lock = run_dir.claim(cfg)  # before anything is written
         ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
 
         recipe_state, resume_dir = None, None
         if self._resume:
             resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
+            self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
+        # after the resume check: a refused resume keeps the run's torchtune_config.yaml
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
 
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]

@@ -128,13 +128,12 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 check_component(cfg[key], key, positional=positional)
         self._run_lock = run_dir.claim(cfg)  # before anything is written
         ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
 
         recipe_state, resume_dir = None, None
         if self._resume:
             resume_dir, recipe_state = resume.find_resume_state(self._output_dir, cfg)
             self._restore_counters(recipe_state)
+            self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
             self._redo_interrupted_export(resume_dir)
 
@@ -206,6 +205,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             cfg.get("heldout", None), self._tokenizer,
             device=self._device, ignore_index=self._loss_fn.ignore_index,
         )  # fmt: skip
+        # Last: a run that stops in set-up leaves no log file and no config copy behind (nor
+        # overwrites the torchtune_config.yaml of the run it refused to resume).
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)

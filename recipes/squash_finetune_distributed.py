@@ -149,8 +149,6 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         self._run_lock = run_dir.claim(cfg, lock=self._is_rank_zero)  # before anything is written
         if self._is_rank_zero:
             ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
         dist.barrier()
 
         recipe_state, resume_dir = None, None
@@ -159,7 +157,11 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 self._output_dir, cfg, required=(*resume.COUNTER_KEYS, "world_size")
             )
             self._restore_counters(recipe_state)
+            self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
+        if self._is_rank_zero:  # after the resume check: a refused resume keeps the run's copy
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
 
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]

@@ -5,8 +5,11 @@ mask updates). Each raises ``ValueError`` naming the argument as the caller spel
 checks.)
 """
 
+import json
 import math
+import struct
 from numbers import Integral, Real
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 # The sparse_factor choices, and which of (lora_a, lora_b) is FFI for each.
@@ -52,3 +55,47 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
     return value
+
+
+# safetensors dtype names of the float dtypes a config.json's ``dtype``/``torch_dtype`` names.
+_SAFETENSORS_FLOAT = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def check_safetensors_dtypes(checkpoint_dir: Path, files: Iterable[str]) -> None:
+    """Refuse a ``.safetensors`` file of ``checkpoint_dir`` whose header declares a float dtype
+    other than its ``config.json``'s (``dtype`` or ``torch_dtype``); ``F32`` tensors are accepted
+    in any checkpoint (some keep norms in full precision). F16 data declared BF16 has the same
+    size and would load as garbage; only the header and ``config.json`` are read.
+
+    Raises:
+        ValueError: naming the file, a tensor and both dtypes, or a header that is not one.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        config = json.loads((checkpoint_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the checkpointer names a missing or bad config.json itself
+    name = config.get("dtype", config.get("torch_dtype")) if isinstance(config, dict) else None
+    want = _SAFETENSORS_FLOAT.get(str(name).replace("torch.", ""))
+    if want is None:
+        return
+    for f in files:
+        path = checkpoint_dir / f
+        if path.suffix != ".safetensors" or not path.is_file():
+            continue
+        try:
+            with open(path, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100 << 20:
+                    raise ValueError(f"a header of {size} bytes")
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error) as e:
+            raise ValueError(f"{path} has no readable safetensors header ({e})") from e
+        for key, info in header.items():
+            dtype = info.get("dtype") if isinstance(info, dict) and key != "__metadata__" else None
+            if dtype in ("F16", "BF16", "F32", "F64") and dtype not in (want, "F32"):
+                raise ValueError(
+                    f"{path} declares {key} as {dtype}, but {checkpoint_dir / 'config.json'} "
+                    f"says {name}: the weights would be read as the wrong type; fix the file or "
+                    "its config.json"
+                )

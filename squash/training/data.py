@@ -52,6 +52,7 @@ def setup_dataloader(
             f"dataset: the data has no column {e}; its columns are {columns}. "
             "Map yours with dataset.column_map (e.g. column_map: {input: my_input})"
         ) from e
+    check_tokens_to_train(ds, tokenizer, ignore_index, dataset_where(cfg_dataset))
     collate = _get_component_from_path(collate_fn or "torchtune.data.padded_collate_sft")
     if not packed:
         collate = partial(collate, padding_idx=tokenizer.pad_id, ignore_idx=ignore_index)
@@ -65,6 +66,34 @@ def setup_dataloader(
         collate_fn=collate if not packed else padded_collate_packed,
         drop_last=drop_last,
     )
+
+
+def check_tokens_to_train(ds: Any, tokenizer: Any, ignore_index: int, where: str, n: int = 8) -> None:
+    """Refuse data whose first ``n`` records have no label to train on: every loss would be
+    0 / 0, and the run would stop at its first step with a NaN loss naming no key. The usual
+    cause is a ``tokenizer.max_seq_len`` no longer than the prompt template, which truncation
+    then leaves as the whole sample (its labels masked).
+
+    Raises:
+        ConfigKeyError: naming ``tokenizer.max_seq_len`` (or, without one, the dataset).
+    """
+    count = min(len(ds), n)
+    if count == 0:
+        return
+    for i in range(count):
+        sample = ds[i]
+        labels = sample.get("labels") if isinstance(sample, dict) else None
+        # the recipes predict token t+1 at position t: the first label is never trained on
+        if labels is None or any(int(label) != ignore_index for label in list(labels)[1:]):
+            return
+    max_len = getattr(tokenizer, "max_seq_len", None)
+    if max_len is not None:
+        raise ConfigKeyError(
+            f"tokenizer.max_seq_len={max_len} leaves no token to train on in the first {count} "
+            f"records of {where}: the prompt template alone fills it; raise tokenizer.max_seq_len"
+        )
+    raise ConfigKeyError(f"{where}: the first {count} records have no token to train on "
+                         "(every label is masked)")
 
 
 def dataset_columns(cfg_dataset: Any) -> Any:

@@ -17,6 +17,8 @@ once every other file is in the temporary directory. ``checkpoint.json`` then re
 - ``inputs``: ``{key: {"path", "sha256", "size"}}`` of the data and tokenizer files the run
   read (:func:`squash.training.run_dir.input_record`), so a resume notices one edited in place;
   None outside a run, absent from older checkpoints;
+- ``format``: :data:`FORMAT` (2); a reader refuses any other version, and any field not
+  listed here (:data:`FIELDS`);
 - ``sha256``: of the canonical JSON of all of the above, so an edit of ``checkpoint.json`` itself
   is caught too.
 
@@ -35,6 +37,9 @@ from typing import Any, Callable, Dict, Optional
 META_FILE = "checkpoint.json"  # = squash.training.checkpoint.CHECKPOINT_META_FILE
 RECIPE_STATE = "recipe_state.pt"
 FORMAT = 2
+# Every field of a format-2 checkpoint.json (see the module docstring); any other is refused.
+FIELDS = frozenset({"epoch", "global_step", "format", "counters", "files", "config", "base",
+                    "inputs", "sha256"})  # fmt: skip
 COUNTERS = ("epochs_run", "global_step", "steps_in_epoch", "seed", "total_epochs",
             "max_steps_per_epoch", "world_size")  # fmt: skip
 _CHUNK = 1 << 20
@@ -155,7 +160,8 @@ def read_verified_meta(path: Path) -> Dict[str, Any]:
 
     Raises:
         CheckpointIntegrityError: naming ``checkpoint.json`` if it is missing, unreadable, from
-            an older squash without file hashes, or changed since it was written.
+            an older squash without file hashes, of another format version than :data:`FORMAT`,
+            has a field format 2 does not define, or changed since it was written.
     """
     file = Path(path) / META_FILE
     try:
@@ -170,6 +176,18 @@ def read_verified_meta(path: Path) -> Dict[str, Any]:
         raise CheckpointIntegrityError(
             f"{file} records no file hashes (written by squash before checkpoint format "
             f"{FORMAT}?); it cannot be verified"
+        )
+    version = meta.get("format")
+    if isinstance(version, bool) or version != FORMAT:
+        raise CheckpointIntegrityError(
+            f"{file} is of checkpoint format {version!r}; this squash reads format {FORMAT} "
+            "only (a checkpoint from another squash version?)"
+        )
+    unknown = sorted(set(meta) - FIELDS)
+    if unknown:
+        raise CheckpointIntegrityError(
+            f"{file} has field(s) {unknown} that checkpoint format {FORMAT} does not define; "
+            "it was not written by this squash"
         )
     if meta.get("sha256") != _self_hash(meta):
         raise CheckpointIntegrityError(

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from squash.training import manifest
+from squash.training.config_checks import ConfigKeyError
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,14 @@ def check_config(checkpoint_dir: Path, saved: Optional[Dict[str, Any]], cfg: Dic
     docstring), unless ``resume_allow_config_change: True``.
 
     Raises:
-        ValueError: listing each changed key with both values and naming the override key.
+        ConfigKeyError: listing each changed key with both values and naming the override key.
     """
     if saved is None:
         if cfg.get(OVERRIDE_KEY, False) is True:
             log.warning("%s records no run config; resuming unchecked (%s=True)",
                         Path(checkpoint_dir) / manifest.META_FILE, OVERRIDE_KEY)
             return
-        raise ValueError(
+        raise ConfigKeyError(
             f"{Path(checkpoint_dir) / manifest.META_FILE} records no run config, so the resume "
             f"cannot be checked against it; set {OVERRIDE_KEY}=True to resume anyway"
         )
@@ -90,7 +91,7 @@ def check_config(checkpoint_dir: Path, saved: Optional[Dict[str, Any]], cfg: Dic
             "checkpoint's", checkpoint_dir, OVERRIDE_KEY, lines,
         )
         return
-    raise ValueError(
+    raise ConfigKeyError(
         f"resume_from_checkpoint: the config differs from the run that wrote {checkpoint_dir} "
         f"in keys that change the results: {lines}. Resume with the checkpoint's values, or set "
         f"{OVERRIDE_KEY}=True to continue with the new ones"
@@ -207,7 +208,7 @@ def check_inputs(resume_dir: Path, meta: Dict[str, Any], output_dir: Path, cfg: 
         log.warning("Resuming from %s with changed inputs (%s=True): %s (%s)%s changed since the "
                     "run read it", resume_dir, OVERRIDE_KEY, path, key, more)  # fmt: skip
         return
-    raise ValueError(
+    raise ConfigKeyError(
         f"resume_from_checkpoint: {path} ({key}) changed since the run that wrote {resume_dir} "
         f"read it{more}; the resume would not continue that run. Restore the file, or set "
         f"{OVERRIDE_KEY}=True to continue with it"

@@ -28,14 +28,20 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
 
     Raises:
         SystemExit: status 1, after printing the message, on a ``ConfigKeyError`` or an
-            OmegaConf error (an interpolation that does not resolve, a missing mandatory value).
+            OmegaConf error (an interpolation that does not resolve, a missing mandatory value);
+            a ``CheckpointIntegrityError`` as ``RECIPE: checkpoint error: ...``.
     """
     from omegaconf.errors import OmegaConfBaseException
+
+    from squash.training.manifest import CheckpointIntegrityError
 
     try:
         yield
     except (ConfigKeyError, OmegaConfBaseException) as err:
         print(f"{recipe}: config error: {one_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except CheckpointIntegrityError as err:
+        print(f"{recipe}: checkpoint error: {one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

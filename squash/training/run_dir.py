@@ -131,15 +131,23 @@ def refuse_overlap(out: Path, reads: List[Tuple[str, Path, bool]], what: str = "
 
 
 def check_output_dir(cfg: DictConfig) -> Path:
-    """:func:`refuse_overlap` of ``cfg.output_dir`` and what ``cfg`` reads (:func:`read_paths`).
+    """:func:`refuse_overlap` of ``cfg.output_dir`` (and of ``checkpointer.output_dir``, where
+    the checkpointer writes) and what ``cfg`` reads (:func:`read_paths`).
 
     Returns:
         Path: ``output_dir``, resolved.
 
     Raises:
-        ConfigKeyError: naming ``output_dir`` and the key it overlaps.
+        ConfigKeyError: naming ``output_dir`` (or ``checkpointer.output_dir``) and the key it
+            overlaps.
     """
-    return refuse_overlap(Path(str(cfg.output_dir)), read_paths(cfg))
+    reads = read_paths(cfg)
+    out = refuse_overlap(Path(str(cfg.output_dir)), reads)
+    for key in ("checkpointer.output_dir", "teacher_checkpointer.output_dir"):
+        value = _get(cfg, key)
+        if isinstance(value, str):
+            refuse_overlap(Path(value), reads, what=key)
+    return out
 
 
 # ---- the lock -------------------------------------------------------------------------------------
@@ -199,6 +207,9 @@ class RunLock:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
         self._dir_fd: Optional[int] = None
+        # The directories this lock creates (outermost first): removed again at release when
+        # the run left them empty, so a run that stops before writing leaves no trace.
+        self._created = [p for p in (self.output_dir, *self.output_dir.parents) if not p.exists()][::-1]
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -275,7 +286,8 @@ class RunLock:
         return fd
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (idempotent)."""
+        """Remove the lock file, drop the lock and remove the directories the lock created if
+        they are empty (idempotent)."""
         if self._fd is None:
             return
         try:
@@ -287,6 +299,11 @@ class RunLock:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
+        for path in reversed(self._created):
+            try:
+                path.rmdir()  # only if empty
+            except OSError:
+                break
 
     def __del__(self) -> None:
         for name in ("_fd", "_dir_fd"):

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from safetensors.torch import load_file, save_file
 
+from squash._checks import check_safetensors_dtypes
+
 from squash.models.opt._convert_weights import (
     HF_PREFIX,
     opt_adapter_layout,
@@ -186,12 +188,14 @@ class OPTCheckpointer:
             and the recipe-state entries (optimizer, seed, epochs run, ...).
 
         Raises:
-            ValueError: if a file cannot be read, holds something other than tensors, repeats a
+            ValueError: if a file cannot be read, declares another dtype than ``config.json``,
+                holds something other than tensors, repeats a
                 key of another file, or the checkpoint does not match ``config.json`` (missing,
                 unexpected or wrongly shaped keys, all named).
         """
         merged: Dict[str, torch.Tensor] = {}
         for path in self._checkpoint_paths:
+            check_safetensors_dtypes(path.parent, [path.name])  # F16 read as BF16 is garbage
             state_dict = _load_tensors(path)
             repeated = sorted(state_dict.keys() & merged.keys())
             if repeated:

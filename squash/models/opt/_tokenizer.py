@@ -48,6 +48,9 @@ class OPTTokenizer(ModelTokenizer, Transform):
         for what, path in (("vocab.json", vocab_path), ("merges.txt", merges_path)):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"OPT tokenizer file not found ({what}): {path}")
+        with open(merges_path, encoding="utf-8", errors="replace") as f:
+            if not any(line.strip() and not line.startswith("#") for line in f):
+                raise ValueError(f"{merges_path} holds no merges: an OPT merges.txt lists one a line")
         try:
             with open(vocab_path, encoding="utf-8") as f:
                 vocab = json.load(f)

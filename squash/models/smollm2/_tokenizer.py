@@ -67,9 +67,14 @@ class SmolLM2Tokenizer(ModelTokenizer, Transform):
         for what, file in (("tokenizer.json", tokenizer_json), ("tokenizer_config", config_json)):
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"SmolLM2 tokenizer file not found ({what}): {file}")
-        self._base = HuggingFaceBaseTokenizer(
-            tokenizer_json, tokenizer_config_json_path=config_json
-        )
+        try:
+            self._base = HuggingFaceBaseTokenizer(
+                tokenizer_json, tokenizer_config_json_path=config_json
+            )
+        except Exception as e:  # tokenizers' "EOF while parsing ..." names no file
+            raise ValueError(
+                f"Cannot read {tokenizer_json} (with {config_json}) as a tokenizer: {e}"
+            ) from e
         vocab = self._base.tokenizer
         self.im_start_id = vocab.token_to_id(IM_START)
         self.im_end_id = vocab.token_to_id(IM_END)
