@@ -14,6 +14,7 @@ from squash.nf4.outliers import (
     outlier_linear,
     outlier_scores,
     quantize_blocks,
+    removal_gains,
     select_outliers,
     split_outliers,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "outlier_linear",
     "outlier_scores",
     "quantize_blocks",
+    "removal_gains",
     "select_outliers",
     "split_outliers",
 ]

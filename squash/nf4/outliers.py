@@ -13,8 +13,14 @@ every row, the outliers. They are chosen by one of two criteria on the NF4 error
   the layer's Hessian ``H = 2 X^T X`` taken as its diagonal (``[H^-1]_jj = 1 / H_jj``), i.e. the
   error weighted by the second moment of input feature ``j`` over calibration tokens.
 
-The outliers are removed (set to zero) before NF4 quantizes the rest, so the blocks that held
-them get a smaller absmax and finer steps. Selection and quantization alternate ``rounds`` times:
+The outliers are removed (set to zero) before NF4 quantizes the rest. Neither criterion above
+picks a block's absmax entry (NF4 maps it to +-1 times its own scale, nearly exactly), so on
+their own they leave the block scales as they were. ``scale_aware=True`` scores what removing an
+entry wins, SpQR's leave-one-out view of outlier detection: for every entry its own (weighted)
+squared error, and for each block's absmax entry, in addition, the drop in the block's other
+entries' (weighted) squared error when the block is re-quantized with the next largest absmax as
+its scale (NF4 levels, without the scalers' double quantization). Then the removed entries are
+often block maxima and the remaining blocks get finer steps. Selection and quantization alternate ``rounds`` times:
 round 1 selects on the error of plain ``NF4(W)``; each later round re-selects on the error of the
 previous round's ``NF4(W_rest)`` (a removed entry then counts with its whole value, since NF4
 codes zero exactly). ``S``'s values are ``W - dequant(NF4(W_rest))`` at the outliers (``W``
@@ -49,6 +55,7 @@ __all__ = [
     "outlier_linear",
     "outlier_scores",
     "quantize_blocks",
+    "removal_gains",
     "select_outliers",
     "split_outliers",
 ]
@@ -136,6 +143,53 @@ def outlier_scores(
     return e.square() * second_moment.detach().double().to(e.device)[None, :]
 
 
+def _nf4_fake(w: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """``w`` (blocks, b) rounded to the nearest NF4 level times its block's ``scale`` (blocks, 1)
+    (ties as torchao: the lower level)."""
+    mids = (levels[1:] + levels[:-1]) / 2
+    normed = (w / scale.clamp_min(torch.finfo(w.dtype).tiny)).clamp(-1, 1)
+    return levels[torch.bucketize(normed, mids)] * scale
+
+
+def removal_gains(
+    weight: torch.Tensor,
+    error: torch.Tensor,
+    block_size: int,
+    levels: torch.Tensor,
+    column_weights: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """What removing each entry saves in (column-weighted) squared error, ``(out, in)`` float64.
+
+    Every entry saves its own ``E^2 w_j``. A block's absmax entry saves, in addition, the drop in
+    its block's other entries' error when the block's scale becomes the next largest absmax: the
+    current error of those entries minus their error at the new scale (nearest NF4 level,
+    scalers not double-quantized).
+
+    Args:
+        weight (torch.Tensor): ``(out, in)``, ``out * in`` a multiple of ``block_size``.
+        error (torch.Tensor): ``weight - dequant(NF4(weight))``.
+        block_size (int): NF4 block size (blocks run along the flattened rows, as torchao's).
+        levels (torch.Tensor): the 16 NF4 levels (``NF4Tensor.nf4``).
+        column_weights (Optional[torch.Tensor]): ``(in,)``, e.g. the input's second moment;
+            None = 1.
+    """
+    out_dim, in_dim = weight.shape
+    w = weight.detach().double().reshape(-1, block_size)  # (blocks, b)
+    cw = (torch.ones(in_dim, dtype=torch.float64) if column_weights is None
+          else column_weights.detach().double().cpu())  # fmt: skip
+    cw = cw.to(w.device).expand(out_dim, in_dim).reshape(-1, block_size)  # (blocks, b)
+    own = error.detach().double().reshape(-1, block_size).square() * cw  # (blocks, b)
+    top2 = w.abs().topk(2, dim=1)
+    p = top2.indices[:, :1]  # (blocks, 1) the absmax entry
+    others = torch.ones_like(w, dtype=torch.bool).scatter(1, p, False)
+    requant = _nf4_fake(w, top2.values[:, 1:], levels.double().to(w.device))
+    after = ((w - requant).square() * cw * others).sum(1)  # (blocks,)
+    before = (own * others).sum(1)
+    gains = own.clone()
+    gains.scatter_add_(1, p, (before - after).unsqueeze(1))
+    return gains.reshape(out_dim, in_dim)
+
+
 def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted column ids of each row's ``k`` largest scores (ties towards lower columns)."""
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
@@ -151,6 +205,7 @@ def select_outliers(
     base: Optional[NF4Tensor] = None,
     block_size: Optional[int] = None,
     values_dtype: Optional[torch.dtype] = torch.bfloat16,
+    scale_aware: bool = False,
 ) -> Outliers:
     """One selection: the ``fan_in`` entries of each row with the largest score of the error
     ``W - dequant(base)`` (``base`` defaults to ``NF4(W)``).
@@ -165,6 +220,9 @@ def select_outliers(
         block_size (Optional[int]): NF4 block size when ``base`` is None (see
             :func:`quantize_blocks`).
         values_dtype (Optional[torch.dtype]): dtype of the values; None keeps ``weight.dtype``.
+        scale_aware (bool): score by :func:`removal_gains` (own squared error, weighted by the
+            second moment for ``"sensitivity"``, plus the block's gain from a finer scale for
+            its absmax entry) instead of the error alone.
 
     Returns:
         Outliers: values are the error at the chosen entries, indices in
@@ -180,7 +238,12 @@ def select_outliers(
     if base is None:
         base = quantize_blocks(weight.detach(), block_size=block_size)
     error = weight.detach() - _dequant(base).to(weight.dtype)
-    idx = _top_k(outlier_scores(error, criterion, second_moment), fan_in)
+    if scale_aware:
+        scores = removal_gains(weight, error, base.block_size, base.nf4,
+                               second_moment if criterion == "sensitivity" else None)  # fmt: skip
+    else:
+        scores = outlier_scores(error, criterion, second_moment)
+    idx = _top_k(scores, fan_in)
     values = torch.gather(error, 1, idx).to(values_dtype or weight.dtype)
     return Outliers(values, idx.to(index_dtype(weight.shape[1])))
 
@@ -195,6 +258,7 @@ def split_outliers(
     rounds: int = 2,
     block_size: Optional[int] = None,
     values_dtype: Optional[torch.dtype] = torch.bfloat16,
+    scale_aware: bool = False,
     name: str = "weight",
 ) -> Tuple[NF4Tensor, Optional[Outliers]]:
     """``W ~= dequant(NF4(W_rest)) + S``: the NF4 base of ``W`` with its outliers removed, and
@@ -215,6 +279,9 @@ def split_outliers(
         block_size (Optional[int]): NF4 block size (default: squash's for the shape).
         values_dtype (Optional[torch.dtype]): the outliers' dtype (default bfloat16, 16 bits);
             None keeps ``weight.dtype``.
+        scale_aware (bool): select once by :func:`removal_gains` on plain ``NF4(W)`` (see
+            :func:`select_outliers`); ``rounds`` is then not used (a later round's gains, taken
+            against a base whose scales already changed, would undervalue the removed maxima).
         name (str): the weight's name, for errors.
 
     Returns:
@@ -236,8 +303,9 @@ def split_outliers(
     base = quantize_blocks(w, name, block_size)
     if k == 0:
         return base, None
-    for _ in range(rounds):
-        out = select_outliers(w, k, criterion, second_moment, base=base, values_dtype=None)
+    for _ in range(1 if scale_aware else rounds):
+        out = select_outliers(w, k, criterion, second_moment, base=base, values_dtype=None,
+                              scale_aware=scale_aware)  # fmt: skip
         rest = w.scatter(1, out.indices.long(), 0.0)
         base = quantize_blocks(rest, name, block_size)
     # Values: what the final base misses at the outliers (W there, as NF4 codes 0 exactly).
