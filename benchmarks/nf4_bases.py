@@ -66,10 +66,13 @@ from squash.ops.nf4 import nf4_dequantize  # noqa: E402
 
 # ---- text ---------------------------------------------------------------------------------------
 def unicode_text(split: str = "test") -> str:
-    """The Unicode names split as text, one ``U+XXXX <char> NAME`` line a character."""
-    from squash.datasets.unicode_names import unicode_name_pairs
+    """The Unicode names split as text (``all``: the three), one ``U+XXXX <char> NAME`` line a
+    character."""
+    from squash.datasets.unicode_names import SPLITS, unicode_name_pairs
 
-    return "\n".join(f"U+{ord(c):04X} {c} {n}" for c, n in unicode_name_pairs(split))
+    pairs = [p for s in SPLITS for p in unicode_name_pairs(s)] if split == "all" else (
+        unicode_name_pairs(split))  # fmt: skip
+    return "\n".join(f"U+{ord(c):04X} {c} {n}" for c, n in pairs)
 
 
 def windows(ids: list, seq_len: int, count: int) -> torch.Tensor:
@@ -241,6 +244,46 @@ def markdown(res: dict) -> str:
     ])  # fmt: skip
 
 
+def plot(res: dict, path: Path) -> None:
+    """Perplexity against bits per parameter, one panel per evaluation text, fp32 as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(res["eval_windows"])
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
+    styles = {"nf4": ("k", "s"), "outliers": ("C0", "o"), "loftq": ("C3", "^")}
+    for ax, s in zip(axes[0], sets):
+        series = {}
+        for a in res["arms"]:
+            p = a["scores"][s]["perplexity"]
+            if a["kind"] == "fp32":
+                ax.axhline(p, color="grey", ls="--", label="fp32")
+                continue
+            if a["kind"] == "outliers":
+                key = f"outliers {a['criterion']}" + (" +scale" if a.get("scale_aware") else "")
+            else:
+                key = "NF4, blocks 64 and 32" if a["kind"] == "nf4" else a["name"]
+            series.setdefault(key, []).append((a["bits_per_param"], p, a["kind"]))
+        for i, (key, pts) in enumerate(sorted(series.items())):
+            pts.sort()
+            color, marker = styles[pts[0][2]]
+            if pts[0][2] == "outliers":
+                color = f"C{i % 10}"
+            ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker=marker, color=color,
+                    label=key)  # fmt: skip
+        ax.set_xlabel("bits per parameter (decoder projections)")
+        ax.set_ylabel(f"{s} perplexity")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M-Instruct: NF4 bases before fine-tuning ({res['host']['date']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_json(res: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
@@ -263,12 +306,26 @@ def main(argv=None) -> dict:
     p.add_argument("--calibration-windows", type=int, default=32)
     p.add_argument("--eval-windows", type=int, default=40)
     p.add_argument("--ood-windows", type=int, default=40)
+    p.add_argument("--ood-split", default="test", choices=("test", "validation", "train", "all"),
+                   help="Unicode names split for the out-of-domain text (test: 9 windows of 256)")
     p.add_argument("--arms", nargs="*", help="arm names to run (default: all)")
     p.add_argument("--json", type=Path, default=RESULTS / "nf4_bases.json")
+    p.add_argument("--plot", default=str(ROOT / "docs" / "benchmarks" / "nf4_bases.png"),
+                   help="PNG of perplexity against bits (empty: none)")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: print the table of --json, write --doc and --plot")
     p.add_argument("--append", action="store_true",
                    help="keep the arms already in --json (same text settings) and run the rest")
     p.add_argument("--doc", default=str(DOC), help="markdown page to append to (empty: none)")
     args = p.parse_args(argv)
+    if args.report_only:
+        res = json.loads(args.json.read_text())
+        print(table(res))
+        if args.doc:
+            write_doc(res, Path(args.doc))
+        if args.plot:
+            plot(res, Path(args.plot))
+        return res
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -285,16 +342,18 @@ def main(argv=None) -> dict:
 
     calib = windows(enc(pydoc_text("train")), args.seq_len, args.calibration_windows)
     evals = {"pydoc_test": windows(enc(pydoc_text("test")), args.seq_len, args.eval_windows),
-             "unicode_ood": windows(enc(unicode_text("test")), args.seq_len, args.ood_windows)}  # fmt: skip
+             "unicode_ood": windows(enc(unicode_text(args.ood_split)), args.seq_len,
+                                    args.ood_windows)}  # fmt: skip
     originals = {k: m.weight.detach().clone() for k, m in linears(model).items()}
     moments = second_moments(model, calib)
     res = dict(model=str(args.checkpoint.name), seq_len=args.seq_len,
-               calibration_windows=len(calib), eval_windows={k: len(v) for k, v in evals.items()},
-               host=host(), arms=[])  # fmt: skip
+               calibration_windows=len(calib), ood_split=args.ood_split,
+               eval_windows={k: len(v) for k, v in evals.items()}, host=host(), arms=[])  # fmt: skip
     if args.append and args.json.exists():
         old = json.loads(args.json.read_text())
-        if {k: old[k] for k in ("seq_len", "calibration_windows", "eval_windows")} != {
-                k: res[k] for k in ("seq_len", "calibration_windows", "eval_windows")}:
+        same = ("seq_len", "calibration_windows", "eval_windows")
+        if {k: old[k] for k in same} != {k: res[k] for k in same} or old.get(
+                "ood_split", "test") != res["ood_split"]:
             raise ValueError(f"--append: {args.json} was measured on other windows")
         res["arms"], t0 = old["arms"], t0 - old.get("wall_s", 0.0)
         res["host"]["runs"] = old["host"].get("runs", [old["host"]["date"]]) + [res["host"]["date"]]
@@ -311,6 +370,8 @@ def main(argv=None) -> dict:
     print(table(res))
     if args.doc:
         write_doc(res, Path(args.doc))
+    if args.plot:
+        plot(res, Path(args.plot))
     return res
 
 

@@ -120,7 +120,9 @@ def test_end_to_end_json(tmp_path, smollm2_checkpoint):
     doc = tmp_path / "nf4.md"
     nb.main(["--checkpoint", str(ckpt), "--seq-len", "32", "--calibration-windows", "2",
              "--eval-windows", "2", "--ood-windows", "2", "--arms", "fp32", "nf4",
-             "outliers_sensitivity_1%", "--json", str(out), "--doc", str(doc)])  # fmt: skip
+             "outliers_sensitivity_1%", "--json", str(out), "--doc", str(doc),
+             "--plot", str(tmp_path / "p.png")])  # fmt: skip
+    assert (tmp_path / "p.png").stat().st_size > 1000
     res = json.loads(out.read_text())
     assert [a["name"] for a in res["arms"]] == ["fp32", "nf4", "outliers_sensitivity_1%"]
     from transformers import AutoTokenizer
@@ -136,7 +138,7 @@ def test_end_to_end_json(tmp_path, smollm2_checkpoint):
     # --append keeps what is there and adds the rest
     nb.main(["--checkpoint", str(ckpt), "--seq-len", "32", "--calibration-windows", "2",
              "--eval-windows", "2", "--ood-windows", "2", "--arms", "nf4", "nf4_b32",
-             "--json", str(out), "--doc", "", "--append"])  # fmt: skip
+             "--json", str(out), "--doc", "", "--plot", "", "--append"])  # fmt: skip
     res2 = json.loads(out.read_text())
     assert [a["name"] for a in res2["arms"]] == ["fp32", "nf4", "outliers_sensitivity_1%",
                                                  "nf4_b32"]  # fmt: skip
