@@ -231,7 +231,9 @@ def markdown(res: dict) -> str:
         f"## {h['date']}: {h['cpu']}",
         "",
         f"Host: {h['cpu']} ({', '.join(h['isa'])}), {h['threads']} thread, torch {h['torch']}; "
-        f"wall time {res['wall_s'] / 60:.1f} min (`benchmarks/nf4_bases.py`).",
+        f"wall time {res['wall_s'] / 60:.1f} min (`benchmarks/nf4_bases.py`"
+        + (f"; runs started {', '.join(h['runs'])}, the later with `--append`" if "runs" in h
+           else "") + ").",
         f"SmolLM2-135M-Instruct, float32; calibration {res['calibration_windows']} windows of "
         f"{res['seq_len']} tokens of the pydoc train split; evaluation: "
         + ", ".join(f"{k} {v} windows" for k, v in w.items())
@@ -253,7 +255,7 @@ def plot(res: dict, path: Path) -> None:
 
     sets = list(res["eval_windows"])
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
-    styles = {"nf4": ("k", "s"), "outliers": ("C0", "o"), "loftq": ("C3", "^")}
+    styles = {"nf4": ("k", "s"), "outliers": (None, "o"), "loftq": (None, "^")}
     for ax, s in zip(axes[0], sets):
         series = {}
         for a in res["arms"]:
@@ -269,7 +271,7 @@ def plot(res: dict, path: Path) -> None:
         for i, (key, pts) in enumerate(sorted(series.items())):
             pts.sort()
             color, marker = styles[pts[0][2]]
-            if pts[0][2] == "outliers":
+            if pts[0][2] != "nf4":
                 color = f"C{i % 10}"
             ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker=marker, color=color,
                     label=key)  # fmt: skip
