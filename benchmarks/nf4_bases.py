@@ -127,7 +127,8 @@ def base_weight(arm: dict, name: str, w: torch.Tensor, moments: dict):
         return nf4_dequantize(base), nf4_bytes(base) * 8
     if kind == "outliers":
         base, out = split_outliers(w, arm["fraction"], arm["criterion"], moments.get(name),
-                                   scale_aware=arm.get("scale_aware", False), name=name)  # fmt: skip
+                                   scale_aware=arm.get("scale_aware", False),
+                                   name=name)  # fmt: skip
         bits = nf4_bytes(base) * 8
         if out is not None:
             bits += 8 * (out.values.numel() * out.values.element_size()
@@ -201,7 +202,8 @@ def host() -> dict:
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "fma") if f in flags]
     return dict(cpu=fields.get("Model name", platform.processor()).strip(), isa=isa,
                 threads=torch.get_num_threads(), torch=torch.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))  # fmt: skip
+                date=datetime.datetime.now(datetime.timezone.utc).strftime(
+                    "%Y-%m-%d %H:%M UTC"))  # fmt: skip
 
 
 def table(res: dict) -> str:
@@ -350,7 +352,8 @@ def main(argv=None) -> dict:
     moments = second_moments(model, calib)
     res = dict(model=str(args.checkpoint.name), seq_len=args.seq_len,
                calibration_windows=len(calib), ood_split=args.ood_split,
-               eval_windows={k: len(v) for k, v in evals.items()}, host=host(), arms=[])  # fmt: skip
+               eval_windows={k: len(v) for k, v in evals.items()}, host=host(),
+               arms=[])  # fmt: skip
     if args.append and args.json.exists():
         old = json.loads(args.json.read_text())
         same = ("seq_len", "calibration_windows", "eval_windows")
@@ -360,7 +363,8 @@ def main(argv=None) -> dict:
         res["arms"], t0 = old["arms"], t0 - old.get("wall_s", 0.0)
         res["host"]["runs"] = old["host"].get("runs", [old["host"]["date"]]) + [res["host"]["date"]]
     done = {a["name"] for a in res["arms"]}
-    todo = [a for a in arms() if (not args.arms or a["name"] in args.arms) and a["name"] not in done]
+    todo = [a for a in arms()
+            if (not args.arms or a["name"] in args.arms) and a["name"] not in done]
     for arm in todo:
         r = evaluate_arm(model, arm, evals, moments, originals)
         res["arms"].append(r)

@@ -20,11 +20,15 @@ entry wins, SpQR's leave-one-out view of outlier detection: for every entry its 
 squared error, and for each block's absmax entry, in addition, the drop in the block's other
 entries' (weighted) squared error when the block is re-quantized with the next largest absmax as
 its scale (NF4 levels, without the scalers' double quantization). Then the removed entries are
-often block maxima and the remaining blocks get finer steps. Selection and quantization alternate ``rounds`` times:
+often block maxima and the remaining blocks get finer steps.
+
+Selection and quantization alternate ``rounds`` times:
 round 1 selects on the error of plain ``NF4(W)``; each later round re-selects on the error of the
 previous round's ``NF4(W_rest)`` (a removed entry then counts with its whole value, since NF4
 codes zero exactly). ``S``'s values are ``W - dequant(NF4(W_rest))`` at the outliers (``W``
-itself there, as the rest is zero), rounded to ``values_dtype``.
+itself there, as the rest is zero), rounded to ``values_dtype``. When no selected entry is a
+block's absmax (the usual case for the error criteria) the scales stay, every other entry's
+error with them, and a second round selects the same entries.
 
 The frozen base forward is ``nf4_linear(x, base) + ffi_linear(x, values, indices)``: both ops
 carry the input gradient, neither gives one to the weights. ``fraction = 0`` (``k = 0``) is plain
@@ -95,7 +99,7 @@ def outlier_fan_in(in_dim: int, fraction: float) -> int:
 def quantize_blocks(
     weight: torch.Tensor, name: str = "weight", block_size: Optional[int] = None
 ) -> NF4Tensor:
-    """torchao NF4 of ``weight``: squash's block sizes (:func:`~squash.modules._nf4.nf4_block_sizes`)
+    """torchao NF4 of ``weight``: squash's block sizes (``nf4_block_sizes``)
     when ``block_size`` is None, else ``block_size`` with the largest scaler block size at most
     256 that divides the number of blocks (e.g. 32 for a bits-matched finer control)."""
     if block_size is None:

@@ -91,8 +91,8 @@ def test_arms_replace_the_projections_and_restore_them():
     for name, m in nb.linears(model).items():  # restored
         assert torch.equal(m.weight, originals[name])
 
-    out = nb.evaluate_arm(model, dict(name="o", kind="outliers", fraction=0.02,
-                                      criterion="sensitivity"), evals, moments, originals)  # fmt: skip
+    arm = dict(name="o", kind="outliers", fraction=0.02, criterion="sensitivity")
+    out = nb.evaluate_arm(model, arm, evals, moments, originals)
     # one outlier a row (round(0.02 * 64) = 1, round(0.02 * 128) = 3): 32 bits each on top
     extra = sum(w.shape[0] * max(1, round(0.02 * w.shape[1])) * 32 for w in originals.values())
     assert math.isclose(out["bits_per_param"], (bits + extra) / numel)

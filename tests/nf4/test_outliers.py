@@ -25,7 +25,8 @@ SMOLLM2_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 
 
 def _weight(shape, seed=0):
-    """Gaussian * 0.02 with 1% of the entries four times larger (outliers, as trained weights have)."""
+    """Gaussian * 0.02 with 1% of the entries four times larger (outliers, as in trained
+    weights)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g) * 0.02
     w *= 1 + 3 * (torch.rand(shape, generator=g) < 0.01)  # a few large entries
