@@ -3,7 +3,9 @@ block sizes for every weight shape and quantization (:mod:`~squash.nf4.quantize`
 ``torch.ops.squash.nf4_*`` custom ops (:mod:`~squash.nf4.ops`, registered on import), torchtune's
 NF4 modules computed with them (:mod:`~squash.nf4.modules`), and squash's extensions to torchao's
 ``NF4Tensor`` (:mod:`~squash.nf4.extensions`), installed by :func:`install_torchao_extensions`,
-never on import. The kernels are ``kernels/nf4_*``.
+never on import. The kernels are ``kernels/nf4_*``. Better 4-bit bases on it: a corrected base
+with a Fixed Fan-In outlier matrix (:mod:`~squash.nf4.outliers`, SpQR's idea) and LoftQ's
+adapter initialization (:mod:`~squash.nf4.loftq`).
 
 The modules and quantization helpers (which import torchtune's modules) load on first use, so
 ``import squash`` (which registers the ops) stays as light as the ops are."""
@@ -24,6 +26,19 @@ _LAZY = {
     "nf4_bytes": "quantize",
     "quantize_base_": "quantize",
     "quantize_nf4": "quantize",
+    "CRITERIA": "outliers",
+    "NF4WithOutliers": "outliers",
+    "Outliers": "outliers",
+    "SecondMoment": "outliers",
+    "corrected_base": "outliers",
+    "outlier_fan_in": "outliers",
+    "outlier_linear": "outliers",
+    "outlier_scores": "outliers",
+    "quantize_blocks": "outliers",
+    "removal_gains": "outliers",
+    "select_outliers": "outliers",
+    "split_outliers": "outliers",
+    "loftq_factors": "loftq",
 }
 
 
@@ -34,19 +49,32 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CRITERIA",
     "NF4Linear",
     "NF4LoRALinear",
     "NF4Tensor",
+    "NF4WithOutliers",
+    "Outliers",
+    "SecondMoment",
     "check_nf4_shape",
+    "corrected_base",
     "install_torchao_extensions",
     "is_plain_lora",
     "linear_nf4",
+    "loftq_factors",
     "nf4_block_sizes",
     "nf4_bytes",
     "nf4_dequantize",
     "nf4_linear",
+    "outlier_fan_in",
+    "outlier_linear",
+    "outlier_scores",
     "quantize_base_",
+    "quantize_blocks",
     "quantize_nf4",
+    "removal_gains",
+    "select_outliers",
+    "split_outliers",
     "to_nf4",
     "use_squash_nf4_",
 ]
