@@ -78,6 +78,7 @@ def _holder(out):
     return proc
 
 
+@pytest.mark.slow
 def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
     proc = _holder(tmp_path)
     try:
@@ -90,6 +91,7 @@ def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     proc = _holder(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
