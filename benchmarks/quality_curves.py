@@ -661,8 +661,9 @@ def plot(path: Path, groups: dict, task: str) -> None:
     tmp.replace(path)
 
 
-def report(results: Path, tasks: list, size: dict) -> str:
-    """The markdown of every task (and a PNG per task beside ``results``)."""
+def report(results: Path, tasks: list, size: dict, png_dir: Path = None) -> str:
+    """The markdown of every task (and a PNG per task beside ``results``; with ``png_dir``, a copy
+    of each as ``png_dir/quality_curves_<task>.png``, where the README shows them)."""
     lines = ["# Learning curves: QLoRA r=16 against squash at equal memory", "",
              "Written by `python benchmarks/quality_curves.py report` from the run files in "
              f"`{results.relative_to(ROOT) if results.is_relative_to(ROOT) else results}/`.", ""]  # fmt: skip
@@ -675,6 +676,9 @@ def report(results: Path, tasks: list, size: dict) -> str:
         elif groups:
             png = results / f"{task}.png"
             plot(png, groups, task)
+            if png_dir is not None:
+                png_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(png, png_dir / f"quality_curves_{task}.png")
             lines += [f"![{task}]({png.name})", ""]
     return "\n".join(lines)
 
@@ -714,6 +718,9 @@ def main(argv=None) -> None:
                    help="keep each finished run's checkpoints in --work (default: deleted)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--png-dir", type=Path, default=None,
+                   help="report: also copy each task's PNG here as quality_curves_<task>.png "
+                        "(the README shows docs/benchmarks/quality_curves_*.png)")
     args = p.parse_args(argv)
     if args.command == "work":
         return work_loop(args)
@@ -723,7 +730,7 @@ def main(argv=None) -> None:
     if args.command == "status":
         print(status(results, args.work or WORK, tasks, size, args.quick))
     else:
-        text = report(results, tasks, size)
+        text = report(results, tasks, size, args.png_dir)
         write_text(results / "README.md", text)
         print(text)
         print(f"Wrote {results / 'README.md'} and a PNG per task beside it")

@@ -5,6 +5,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SQUASH = str(Path(sys.executable).with_name("squash"))
 
@@ -22,6 +24,7 @@ def test_ls_lists_the_recipe_and_every_shipped_config():
         assert path.stem in out
 
 
+@pytest.mark.slow
 def test_cp_copies_recipes_and_configs_byte_for_byte(tmp_path):
     assert _squash("cp", "squash_finetune", str(tmp_path / "mine.py")).returncode == 0
     assert (tmp_path / "mine.py").read_bytes() == (REPO / "recipes" / "squash_finetune.py").read_bytes()
@@ -29,6 +32,7 @@ def test_cp_copies_recipes_and_configs_byte_for_byte(tmp_path):
     assert (tmp_path / "opt350m.yaml").read_bytes() == (REPO / "configs" / "opt350m.yaml").read_bytes()
 
 
+@pytest.mark.slow
 def test_cp_refuses_to_overwrite_unknown_names_and_wrong_suffixes(tmp_path):
     (tmp_path / "x.yaml").write_text("mine")
     proc = _squash("cp", "opt_tiny", str(tmp_path / "x.yaml"))
@@ -41,6 +45,7 @@ def test_cp_refuses_to_overwrite_unknown_names_and_wrong_suffixes(tmp_path):
     assert proc.returncode == 1 and "to a .yaml file" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_regular_install_ships_the_recipe_module_and_the_configs(tmp_path):
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],

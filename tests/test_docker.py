@@ -39,12 +39,15 @@ def test_what_a_dockerfile_copies_and_runs_exists(path):
         assert (REPO / script).is_file(), script
     for config in re.findall(r"--config (configs/\S+\.yaml)", text):
         assert (REPO / config).is_file(), config
-    # installed as the README's test command installs (CI adds llama.cpp: the gguf-check extra)
+    # installed as the README's test command installs (CI adds llama.cpp: the gguf-check extra,
+    # and matplotlib: the plot extra), and CI runs the fast set, then the slow set
     assert 'pip install --no-cache-dir -e ".[dev]"' in text
     ci = (REPO / ".ci" / "run").read_text()
-    assert 'pip install -e ".[dev,gguf-check]" && python -m pytest' in ci
+    assert 'pip install -e ".[dev,gguf-check,plot]"\n' in ci
+    assert 'python -m pytest && python -m pytest -m "slow or smollm2 or gguf_check"\n' in ci
 
 
+@pytest.mark.slow
 def test_prebuild_script_builds_the_cpu_kernels_and_fails_loudly_when_it_cannot():
     script = [sys.executable, str(REPO / "scripts" / "prebuild_kernels.py"), "cpu"]
     ok = subprocess.run(script, capture_output=True, text=True, timeout=900)

@@ -52,6 +52,7 @@ def wheel_site(tmp_path_factory):
     return wheel, target
 
 
+@pytest.mark.slow
 def test_wheel_ships_every_package_recipe_config_and_kernel_and_loader_finds_them(wheel_site, tmp_path):
     wheel, target = wheel_site
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -75,6 +76,7 @@ def test_wheel_ships_every_package_recipe_config_and_kernel_and_loader_finds_the
     assert Path(run.stdout.strip().splitlines()[-1]) == target / "squash" / "_kernels"
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_tiny_opt_byte_for_byte(wheel_site):
     wheel, _ = wheel_site
     z = zipfile.ZipFile(wheel)
@@ -103,6 +105,7 @@ def test_shipped_configs_name_no_checkout_relative_path():
     assert "${squash_asset:tiny_opt}" in (REPO / "configs" / "opt_tiny.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_copied_config_runs_from_an_empty_directory_after_a_regular_install(wheel_site, tmp_path):
     _, target = wheel_site
     empty = tmp_path / "empty"

@@ -41,6 +41,7 @@ def test_a_bad_key_is_one_line_naming_it(override, message, capsys):
     assert err == f"squash validate: {path}: config error: {message}\n"
 
 
+@pytest.mark.slow
 def test_tune_validate_accepts_what_squash_validate_rejects(tmp_path):
     cfg = tmp_path / "my.yaml"
     cfg.write_text((REPO / "configs" / "opt_tiny.yaml").read_text().replace("batch_size:", "batch_szie:"))

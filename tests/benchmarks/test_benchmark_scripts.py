@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: gpu_check.sh times it")
+@pytest.mark.slow
 def test_gpu_check_without_gpu_checks_cpu_path_and_exits_3():
     run = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--no-timing"],
@@ -31,6 +32,7 @@ def test_gpu_check_without_gpu_checks_cpu_path_and_exits_3():
     assert not re.search(r"^\s+FAIL\s", out, re.M)
 
 
+@pytest.mark.slow
 def test_ffi_kernels_table_is_consistent(tmp_path):
     table = tmp_path / "table.md"
     run = subprocess.run(

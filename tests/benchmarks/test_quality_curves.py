@@ -183,6 +183,24 @@ def test_report_numbers_from_per_seed_values(tmp_path):
     assert sq["best"] == 3e-3
 
 
+def test_report_writes_a_png_per_task_and_copies_it_to_png_dir(tmp_path):
+    """``report --png-dir DIR``: the PNG beside the results, and the same bytes as
+    ``DIR/quality_curves_<task>.png`` (where the README shows it)."""
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "res"
+    (res / "unicode").mkdir(parents=True)
+    recs = [record("qlora_r16", 3e-3, s, 1.0, (t, e), losses=[2.0, t]) for s, t, e in
+            ((0, 1.45, 0.2), (1, 1.38, 0.3))]  # fmt: skip
+    recs += [record("squash", 3e-3, s, 1.0, (t, e), losses=[1.9, t]) for s, t, e in
+             ((0, 1.30, 0.3), (1, 1.33, 0.25))]  # fmt: skip
+    for r in recs:
+        (res / "unicode" / f"{r['id']}.json").write_text(json.dumps(r))
+    text = qc.report(res, ["unicode"], dict(qc.FULL, steps=200), png_dir=tmp_path / "docs")
+    assert "![unicode](unicode.png)" in text
+    png = (res / "unicode.png").read_bytes()
+    assert len(png) > 10_000 and (tmp_path / "docs" / "quality_curves_unicode.png").read_bytes() == png
+
+
 # ---- a quick run of every stage on the real model -------------------------------------------
 @pytest.mark.slow
 @pytest.mark.smollm2

@@ -29,6 +29,7 @@ def quick(tmp_path_factory):
     return out.read_text(), json.loads(out.with_suffix(".json").read_text())
 
 
+@pytest.mark.slow
 def test_ranks_are_the_memory_accounting(quick):
     _, res = quick
     shapes, r, sp = [tuple(s) for s in res["shapes"]], res["rank"], res["sparsity"]
@@ -58,6 +59,7 @@ def test_ranks_are_the_memory_accounting(quick):
         assert f"| {arm['name']} | {rank} | {arm['vs_budget']:.2f}x |" in quick[0]
 
 
+@pytest.mark.slow
 def test_means_spreads_and_sweep_agree_with_per_seed_values(quick):
     md, res = quick
     rows = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ")}
@@ -89,6 +91,7 @@ def test_means_spreads_and_sweep_agree_with_per_seed_values(quick):
             assert 0.0 <= value <= 1.0
 
 
+@pytest.mark.slow
 def test_data_and_reference_predictors(quick):
     md, res = quick
     sigma, records = res["sigma"], res["test_records"]
@@ -109,6 +112,7 @@ def test_data_and_reference_predictors(quick):
     assert f"reversal without the mapping {reverse_only / len(records):.3f}" in md
 
 
+@pytest.mark.slow
 def test_verdict_says_which_won(quick):
     md, res = quick
     by = {a["key"]: a for a in res["arms"]}

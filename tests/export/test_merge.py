@@ -70,6 +70,7 @@ def test_adapter_only_checkpoint_merges_to_the_recipes_merged_weights(run):
     assert all(not torch.equal(want[k], base[k]) for k in adapted)
 
 
+@pytest.mark.slow
 def test_an_init_svd_adapter_merges_into_the_residual_base_as_the_recipe_does(tmp_path):
     """With ``init: svd`` the trained base is the NF4 of ``W - B0 A0``; the merge recomputes it
     from the base, as a resume does, and lands on the recipe's merged weights to float32

@@ -56,6 +56,7 @@ print(json.dumps(squash.ops.status()["cpu"]))
 @pytest.mark.skipif(os.environ.get("SQUASH_KERNELS") == "reference", reason="SQUASH_KERNELS=reference")
 @pytest.mark.parametrize("isa", NARROWER or [pytest.param("-", marks=pytest.mark.skip(
     reason="this CPU runs one variant only"))])  # fmt: skip
+@pytest.mark.slow
 def test_narrower_variant_matches_dense_and_reference(isa):
     env = {**os.environ, "SQUASH_CPU_ISA": isa}
     r = subprocess.run([sys.executable, "-c", _CHECK, str(HERE)], env=env, capture_output=True,

@@ -103,7 +103,8 @@ print(json.dumps({"before": before, "after": after, "calls": calls, "y": y.tolis
 """
 
 
-@pytest.mark.parametrize("start, flip", [("native", "reference"), ("reference", "native")])
+@pytest.mark.parametrize("start, flip", [
+    pytest.param("native", "reference", marks=pytest.mark.slow), ("reference", "native")])
 def test_status_and_behaviour_agree_after_flipping_the_variable(start, flip):
     """SQUASH_KERNELS is read once per process: flipping it after the first call changes neither
     what serves nor what status() says, and status() names what serves (the reference's

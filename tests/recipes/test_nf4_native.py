@@ -8,6 +8,7 @@ from tests.helpers import logged
 FOUR = ["epochs=1", "max_steps_per_epoch=4", "dtype=fp32"]
 
 
+@pytest.mark.slow
 def test_native_nf4_losses_equal_torchao_losses(run, tmp_path):
     run(tmp_path / "native", *FOUR, env={"SQUASH_NF4": "native"})
     run(tmp_path / "torchao", *FOUR, env={"SQUASH_NF4": "torchao"})
@@ -17,6 +18,7 @@ def test_native_nf4_losses_equal_torchao_losses(run, tmp_path):
         assert native[step] == pytest.approx(torchao[step], rel=1e-6, abs=1e-6), step
 
 
+@pytest.mark.slow
 def test_squash_qlora_recipe_trains_exactly_as_with_torchao(run, tmp_path):
     """squash's dense QLoRA (qlora_opt_tiny: NF4LoRALinear, squash's NF4 kernel) gives the very
     same losses as torchtune's LoRALinear computing its base with torchao's linear_nf4."""

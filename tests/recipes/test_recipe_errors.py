@@ -117,6 +117,7 @@ def test_a_corrupt_adapter_index_is_refused_on_resume(tmp_path):
         _setup(cfg)
 
 
+@pytest.mark.slow
 def test_every_shipped_config_passes_tune_validate():
     tune = str(Path(sys.executable).with_name("tune"))
     configs = sorted((REPO / "configs").glob("*.yaml"))

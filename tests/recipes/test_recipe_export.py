@@ -31,6 +31,7 @@ def test_bad_export_blocks_fail_before_training(tmp_path):
         squash_finetune.SquashFinetuneRecipeSingleDevice(_cfg(tmp_path, export={"gguf": ["f16"]}))
 
 
+@pytest.mark.slow
 def test_each_epoch_checkpoint_is_exported_once_complete(tmp_path, monkeypatch):
     calls = []
 

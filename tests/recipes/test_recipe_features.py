@@ -21,11 +21,13 @@ FOUR = ["epochs=1", "max_steps_per_epoch=4"]
     ],
     ids=["activation_checkpointing", "gradient_accumulation", "compile", "lora_plus_ratio_1"],
 )
+@pytest.mark.slow
 def test_feature_gives_the_losses_of_the_plain_run(run, tmp_path, overrides, env):
     run(tmp_path, *FOUR, *overrides, env=env)
     assert logged(tmp_path) == pytest.approx(PINNED, rel=2e-6)
 
 
+@pytest.mark.slow
 def test_lora_plus_ratio_reaches_the_optimizer(run, tmp_path):
     """At ratio 16 the first step (before any update) is the plain run's and the later ones are
     not: the key reaches the optimizer (the groups' arithmetic: tests/training/test_lora_plus.py)."""
@@ -35,6 +37,7 @@ def test_lora_plus_ratio_reaches_the_optimizer(run, tmp_path):
     assert all(abs(losses[s] - PINNED[s]) > 1e-4 for s in (3, 4))
 
 
+@pytest.mark.slow
 def test_packed_text_completion_data_first_step_equals_a_hand_computation(run, tmp_path):
     from torchtune.data import padded_collate_packed
     from torchtune.datasets import text_completion_dataset
@@ -64,6 +67,7 @@ def test_packed_text_completion_data_first_step_equals_a_hand_computation(run, t
     assert losses[1] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_local_jsonl_chat_data_first_step_equals_a_hand_computation(run, tmp_path):
     """torchtune's chat_dataset on a local JSONL file (ShareGPT style), loss on the replies."""
     import json

@@ -12,7 +12,7 @@ def _stderr_lines(proc):
 
 @pytest.mark.parametrize("recipe, config", [
     ("squash_finetune", REPO / "configs" / "opt_tiny.yaml"),
-    ("squash_eval", REPO / "configs" / "opt_tiny_eval.yaml"),
+    pytest.param("squash_eval", REPO / "configs" / "opt_tiny_eval.yaml", marks=pytest.mark.slow),
 ])
 def test_a_misspelled_key_is_one_line_and_exit_status_1(run, tmp_path, recipe, config):
     proc = run(tmp_path / "out", "batch_szie=8", recipe=recipe, config=config, check=False)
@@ -23,6 +23,7 @@ def test_a_misspelled_key_is_one_line_and_exit_status_1(run, tmp_path, recipe, c
     assert last.endswith("batch_szie (did you mean 'batch_size'?)")
 
 
+@pytest.mark.slow
 def test_an_unknown_asset_is_one_line(run, tmp_path):
     proc = run(tmp_path / "out", "checkpointer.checkpoint_dir=${squash_asset:tiny_opx}", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -31,6 +32,7 @@ def test_an_unknown_asset_is_one_line(run, tmp_path):
     assert "\n" not in last and "'tiny_opt'" in last  # names the asset there is
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_in_setup_leaves_no_empty_log_file(run, tmp_path):
     out = tmp_path / "out"
     proc = run(out, "checkpointer.checkpoint_files=[missing.safetensors]", check=False)
@@ -40,6 +42,7 @@ def test_a_run_that_fails_in_setup_leaves_no_empty_log_file(run, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_logged_keeps_its_log_and_prints_no_set_vital_warning(run, tmp_path):
     out = tmp_path / "out"
     proc = run(out, "epochs=1", "max_steps_per_epoch=1", "save_adapter_weights_only=True")

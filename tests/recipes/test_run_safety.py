@@ -74,6 +74,7 @@ def trained(tmp_path_factory):
 
 
 # ---- 1. never write into what is read -------------------------------------------------------------
+@pytest.mark.slow
 def test_a_checkpoint_dir_inside_output_dir_is_refused_and_the_input_unchanged(tmp_path):
     out = tmp_path / "out"
     shutil.copytree(TINY, out / "epoch_0")
@@ -85,6 +86,7 @@ def test_a_checkpoint_dir_inside_output_dir_is_refused_and_the_input_unchanged(t
     assert _tree(out) == before  # not a byte written, no logs/, no config copy
 
 
+@pytest.mark.slow
 def test_output_dir_equal_to_checkpoint_dir_leaves_the_input_byte_identical(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(TINY, model)
@@ -95,6 +97,7 @@ def test_output_dir_equal_to_checkpoint_dir_leaves_the_input_byte_identical(tmp_
 
 
 # ---- 2. a run owns its output_dir -----------------------------------------------------------------
+@pytest.mark.slow
 def test_a_second_run_is_refused_and_the_first_finishes_with_its_checkpoints_intact(tmp_path):
     out = tmp_path / "out"
     cmd = [TUNE, "run", "squash_finetune", "--config", str(TINY_CONFIG), f"output_dir={out}", *QUICK,
@@ -230,6 +233,7 @@ def test_an_optimizer_moment_of_the_wrong_shape_is_named(trained, tmp_path):
 
 
 # ---- 4. a resume continues the run it resumes -----------------------------------------------------
+@pytest.mark.slow
 def test_a_resume_with_a_changed_batch_size_is_refused_and_the_override_accepted(trained, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(trained / "epoch_0", out / "epoch_0")

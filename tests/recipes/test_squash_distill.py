@@ -100,6 +100,7 @@ def test_squarehead_distillation_recovers_more_than_plain_ce(teacher, tmp_path):
     assert merged["tokens"] > 5000 and merged["tokens_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_task_loss_alone_reproduces_squash_finetune(tmp_path):
     """With kd_weight = squarehead_weight = 0, squash_distill is squash_finetune: the same
     losses as squash_finetune's pinned ones on configs/opt_tiny.yaml's settings."""
@@ -114,6 +115,7 @@ def test_task_loss_alone_reproduces_squash_finetune(tmp_path):
         assert losses[step] == pytest.approx(value, rel=1e-5), (step, losses)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     keys = ["epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=2", "keep_last_n=5",
             "mask_update.every_n_steps=2", "save_adapter_weights_only=True"]  # masks move at 2
@@ -135,6 +137,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert expected[4] != expected[1]  # it trained
 
 
+@pytest.mark.slow
 def test_bad_distill_keys_name_the_key(tmp_path):
     proc = tune_run(tmp_path, "squarehead_wieght=1", recipe="squash_distill", config=DISTILL,
                     check=False)

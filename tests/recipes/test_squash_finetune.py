@@ -43,6 +43,7 @@ def test_first_step_loss_equals_the_base_models_loss_computed_by_hand(run, tmp_p
     assert loss == pytest.approx(_first_batch_loss_by_hand(tmp_path), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_sparse_adapter_lowers_the_loss_against_the_same_run_with_the_adapter_off(run, tmp_path):
     steps = ["epochs=1", "max_steps_per_epoch=12"]
     run(tmp_path / "trained", *steps)
@@ -67,6 +68,7 @@ def test_sparse_adapter_lowers_the_loss_against_the_same_run_with_the_adapter_of
     )
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(run, tmp_path):
     import os
     import signal
@@ -129,6 +131,7 @@ def _rebuild(output_dir, name, quantize_base, svd=False):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_peft_adapter_and_merged_weights_load_into_transformers(run, tmp_path):
     import transformers
     from peft import PeftModel
@@ -156,6 +159,7 @@ def test_peft_adapter_and_merged_weights_load_into_transformers(run, tmp_path):
         assert (hf(tokens).logits - theirs).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_copied_recipe_runs_from_another_directory(run, tmp_path):
     import subprocess
     import sys
@@ -171,6 +175,7 @@ def test_a_copied_recipe_runs_from_another_directory(run, tmp_path):
     assert losses == pytest.approx({1: PINNED[1], 2: PINNED[2]}, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(run, tmp_path):
     proc = run(tmp_path, "epochs=1", "max_steps_per_epoch=6", "save_every_n_steps=1",
                "optimizer.lr=1e30", "lr_scheduler.num_warmup_steps=0", "clip_grad_norm=null",
@@ -187,6 +192,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(
     assert all(math.isfinite(v) for v in good.values()) and max(good) == step - 1
 
 
+@pytest.mark.slow
 def test_svd_init_exports_merged_weights_near_the_original_and_a_peft_delta(run, tmp_path):
     """With ``model.init: svd`` the base becomes the residual of the top singular directions.
     The merged export is that residual (NF4) plus the adapter, so before any update it is the

@@ -65,6 +65,7 @@ def test_torchtunes_lora_linear_gets_kaiming_a_and_zero_b():
 
 
 @pytest.mark.parametrize("sparse_factor", ["a", "b"])
+@pytest.mark.slow
 def test_svd_initial_state_equals_the_modules_svd_initialisation(sparse_factor):
     """Computed on full tensors for a sharded model; compared with svd_initialize on a built
     (dense-base) model, the path squash_finetune takes."""

@@ -123,6 +123,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.slow
 def test_a_failed_write_names_the_checkpoint_and_the_directory(tmp_path):
     """A write past the file-size limit (EFBIG, as a full disk gives ENOSPC) inside torch.save."""
     proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path), str(REPO)],

@@ -2,6 +2,7 @@
 naming it and the form that works (``export={gguf:[f16,q8_0]}`` -> ``export.gguf=[f16,q8_0]``),
 before anything is written; the suggested forms read back as what was meant."""
 
+import pytest
 import yaml
 from omegaconf import OmegaConf
 
@@ -38,6 +39,7 @@ def test_the_message_names_the_override_and_forms_that_read_as_meant():
     assert unclosed.endswith("quote the value or give each field as a.FIELD=VALUE")
 
 
+@pytest.mark.slow
 def test_tune_run_with_the_bad_override_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     proc = tune_run(out, BAD, check=False)

