@@ -11,7 +11,7 @@ PAGES = ["README.md", "CHANGELOG.md", "benchmarks/README.md", *sorted(
     str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))]
 # Written by `python benchmarks/quality_curves.py report --png-dir docs/benchmarks` from the run
 # files of the learning-curve runs; absent until those are reported.
-GENERATED = {"docs/benchmarks/quality_curves_unicode.png", "docs/benchmarks/quality_curves_pydocs.png"}
+GENERATED: set = set()
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
