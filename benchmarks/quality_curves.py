@@ -273,8 +273,11 @@ def score_batch(logits: torch.Tensor, labels: torch.Tensor, required: list) -> t
     """``(summed cross-entropy over answer tokens, answer tokens, exact-match flags)`` of one
     batch; ``labels`` ``(b, s)`` unshifted (position t's logits predict labels[t + 1])."""
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
-    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE,
-                                           reduction="sum")  # fmt: skip
+    # over the last dimension, summed in float64: torch's CPU log-softmax over a middle (class)
+    # dimension is off by up to about 1e-4 nats a token against float64, this by about 1e-7
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1), ignore_index=IGNORE,
+                                           reduction="none").double().sum()  # fmt: skip
     valid = targets != IGNORE
     rank = torch.cumsum(valid.int(), dim=1)  # 1 at a row's first answer token
     need = valid & (rank <= torch.tensor(required, device=labels.device)[:, None])
