@@ -80,7 +80,7 @@ def parse_markdown(text: str) -> dict:
             keys = []
             for c in (c.strip() for c in cells):
                 keys.append(f"{keys[-1]}_x" if c == "x" else COLUMNS.get(c, c))
-        elif line.startswith("| ") and keys:
+        elif line.startswith("|") and keys and not set(line) <= set("|-: "):  # not |---|
             row = _row(keys, cells)
             if row["label"].startswith("`tune run"):
                 out["recipes"].append(row)
