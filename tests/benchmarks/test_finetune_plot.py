@@ -26,9 +26,9 @@ fp = _load("finetune_plot")
 
 SETUP = ("SmolLM2-135M shapes, 2 of 30 layers, adapters on q, k, v, output, w1, w2, w3; "
          "1 x 32 = 32 tokens a step; AdamW; step = forward + backward + optimizer step, "
-         "median of 3 interleaved rounds (min-max in brackets); peak = peak resident memory; x = ratio to the "
-         "first row; floor = the step's matmul FLOPs / this host's dense matmul rate "
-         "(100.00 GFLOP/s, 32 x 576 x 2304, measured in this process).")
+         "median of 3 interleaved rounds (min-max in brackets); peak = peak resident memory; "
+         "x = ratio to the first row; floor = the step's matmul FLOPs / this host's dense "
+         "matmul rate (100.00 GFLOP/s, 32 x 576 x 2304, measured in this process).")
 HEAD = ["row", "adapter params", "adapter+grad+AdamW MiB", "x", "peak MiB", "x", "step s", "x",
         "tokens/s", "floor s", "step / floor"]
 ROWS = [
