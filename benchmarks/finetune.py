@@ -38,11 +38,14 @@ range over the rounds, and each over torchtune's in each round) and peak memory 
 the script's numbers can be tied to what the recipes do. Below the table, each row's step over
 the first row's, round by round, and each timed step's system CPU time and minor page faults
 (a step that the kernel slowed shows there). The table is printed and written to
-``benchmarks/results/``.
+``benchmarks/results/``, with its numbers as JSON and a picture of the step times (PNG, the
+``plot`` extra) beside it; ``plot`` redraws the picture from a stored results file, timing
+nothing (``finetune_plot.py``).
 
     python benchmarks/finetune.py --layers 6                 # ~8 minutes on 2 CPU cores
     python benchmarks/finetune.py --device cuda --dtype bf16 # all 24 layers on a GPU
     python benchmarks/finetune.py --model smollm2 --checkpoint-dir DIR   # SmolLM2-135M, 30 layers
+    python benchmarks/finetune.py plot benchmarks/results/FILE.md --png docs/benchmarks/NAME.png
 """
 
 import argparse
@@ -61,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import finetune_plot  # noqa: E402
 from ffi_kernels import machine_line  # noqa: E402
 from profile_step import dense_rate, host_counters, host_since, model_flops  # noqa: E402
 
@@ -616,7 +620,26 @@ def _isa(device: str) -> str:
     return f"FFI kernels: {info.get('backend', '?')} {info.get('isa', info.get('arch', ''))}".strip()
 
 
+def write_results(out: Path, name: str, text: str, timed: list) -> None:
+    """The table as ``name`` (markdown) in ``out``, its numbers beside it as JSON (each timed row
+    with its rounds' step seconds, ``rounds_s``, a mask-update step ``null``) and the step-time
+    picture as PNG (skipped, saying so, without matplotlib)."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / name
+    md.write_text(text)
+    results = finetune_plot.parse_markdown(text)
+    rounds = {t["label"]: t["rounds"] for t in timed}
+    for row in results["rows"]:
+        row["rounds_s"] = rounds.get(row["label"])
+    md.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    drawn = finetune_plot.write_png(results, md.with_suffix(".png")) is not None
+    print(f"written to {md}, {md.stem}.json" + (f", {md.stem}.png" if drawn else ""))
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plot"]:  # redraw a stored results file's picture
+        return finetune_plot.main(argv[1:])
     args = parse_args(argv)
     if args.row is not None:
         print(json.dumps(peak_child(args, Path(args.checkpoint_dir), int(args.row))))
@@ -641,12 +664,9 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     family = "" if args.family == "opt350m" else f"{args.family}_"
     name = f"finetune_{args.device.split(':')[0]}_{args.dtype}_{family}{args.layers}layers.md"
-    (out / name).write_text(text)
-    print(f"written to {out / name}")
+    write_results(Path(args.out), name, text, timed)
     return 0
 
 

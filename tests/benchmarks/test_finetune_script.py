@@ -5,6 +5,7 @@ hand divided by the rate it prints, and its ratio columns are the quotients of i
 (no timing is asserted). The recipe rows are checked on logs written here by hand."""
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -116,6 +117,12 @@ def test_finetune_table_agrees_with_the_memory_arithmetic(tmp_path, family):
     assert list(host) == list(expected)
     assert all(len(v.split(", ")) == 3 for v in host.values())
     assert host[mask].split(", ")[1].endswith("(mask update)")
+    # beside the table: its numbers as JSON (the rounds' seconds added), the step-time PNG
+    numbers = json.loads(table.with_suffix(".json").read_text())
+    assert [(r["label"], r["step_s"]) for r in numbers["rows"]] == \
+        [(r[0].strip(), float(r[6].split()[0])) for r in main]  # fmt: skip
+    assert [len(r["rounds_s"]) for r in numbers["rows"]] == [3] * len(main)
+    assert table.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_round_lines_by_hand():
