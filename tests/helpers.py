@@ -3,6 +3,7 @@
 checkpointer, the NF4 reference Llama, and the pinned losses of ``configs/opt_tiny.yaml``. Imported as ``tests.helpers``, which
 ``python -m pytest`` from the repository root (as CI runs it) finds."""
 
+import hashlib
 import json
 import os
 import re
@@ -25,6 +26,19 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 # depend on the initial adapter (drawn per module from (seed, name) since the distributed
 # recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
 PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
+
+
+def tree(path: Path) -> Dict[str, object]:
+    """``{relative path: sha256}`` of everything under ``path`` (directories as None); None
+    when ``path`` does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    return {
+        p.relative_to(path).as_posix():
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        for p in sorted(path.rglob("*"))
+    }
 
 
 class StubCheckpointer:

@@ -51,11 +51,16 @@ def build_adapter_model(
     with squash's NF4 kernel (:func:`~squash.modules.use_squash_nf4_`: equal bit for bit).
 
     Raises:
-        ConfigKeyError: a model without adapters, or ``mask_update`` without a sparse factor.
+        ConfigKeyError: a value the builder refuses (its message, after ``model``), a model
+            without adapters, or ``mask_update`` without a sparse factor.
     """
     overrides = {"init": "lora"} if "init" in cfg_model else {}
     with training.set_default_dtype(dtype), torch.device(device):
-        model = use_squash_nf4_(config.instantiate(cfg_model, **overrides))
+        try:
+            model = config.instantiate(cfg_model, **overrides)
+        except (ValueError, TypeError) as e:  # a value the builder refuses: a config error
+            raise ConfigKeyError(f"model ({cfg_model._component_}): {e}") from e
+        model = use_squash_nf4_(model)
     if not get_adapter_modules(model):
         raise ConfigKeyError(
             f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "

@@ -3,7 +3,6 @@ leaves its output directory as it was: no directory made, no log, no torchtune_c
 refused resume not overwriting the run's copy. Each case is a real attempt through the recipe
 class in-process; one goes through the real ``tune run``."""
 
-import hashlib
 import json
 import math
 import shutil
@@ -16,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import REPO, TINY_CONFIG, tune_run
+from tests.helpers import tree as _tree
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
@@ -49,18 +49,6 @@ def _attempt(cfg, patch=None):
     finally:
         recipe.cleanup()
     return recipe
-
-
-def _tree(path):
-    """``{relative path: sha256}`` of everything under ``path`` (directories as None); None
-    when ``path`` does not exist."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    return {
-        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-        for p in sorted(path.rglob("*"))
-    }
 
 
 def _refused(cfg, error, message, out, patch=None):
