@@ -30,7 +30,7 @@ from squash.training.config_checks import (
     get_int,
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
-from squash.training.model_setup import assemble_adapter_model
+from squash.training.model_setup import assemble_adapter_model, load_base
 from squash.training.heldout import setup_heldout
 from squash.training.run import (
     close_metric_logger,
@@ -141,8 +141,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
             self._redo_interrupted_export(resume_dir)
 
-        self._checkpointer = config.instantiate(cfg.checkpointer)
-        base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model, self._svd_init = assemble_adapter_model(
             cfg.model,

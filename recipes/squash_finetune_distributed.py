@@ -37,7 +37,7 @@ from squash.training.config_checks import (
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.mask_update import record_dense_grads
-from squash.training.model_setup import assemble_adapter_model
+from squash.training.model_setup import assemble_adapter_model, load_base
 from squash.training.run import (
     close_metric_logger,
     config_errors_in_one_line,
@@ -164,8 +164,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
 
-        self._checkpointer = config.instantiate(cfg.checkpointer)
-        base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model = self._setup_model(cfg, base_state_dict, resume_dir)
         del base_state_dict

@@ -4,12 +4,13 @@ and the output directory is left as it was (absent if it was absent, byte-identi
 no log, no torchtune_config.yaml, no teacher checkpointer directory). In-process through the
 distillation recipe's class, and for real through ``tune run``."""
 
+import shutil
 import sys
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import REPO, tree, tune_run
+from tests.helpers import REPO, declare_dtype, tree, tune_run
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_distill  # noqa: E402
@@ -59,6 +60,23 @@ def test_distill_refuses_in_one_line_and_leaves_output_dir_as_it_was(tmp_path, k
     else:
         assert text.startswith("tokenizer.max_seq_len=1 leaves no token to train on")
     assert tree(tmp_path / "new") == before
+
+
+def test_distill_checks_the_teacher_s_weights_dtype_before_loading_them(tmp_path):
+    """The teacher's checkpointer is checked as the student's: F16 data declared BF16 against a
+    config.json that says float16 is one line naming teacher_checkpointer and the file."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(TINY, teacher)
+    first = declare_dtype(teacher / "model.safetensors", "F16", "BF16")
+    out = tmp_path / "new" / "out"
+    with pytest.raises(ConfigKeyError) as info:
+        _distill(out, "teacher_checkpointer.checkpoint_dir", str(teacher))
+    assert str(info.value) == (
+        f"teacher_checkpointer.checkpoint_files: {teacher / 'model.safetensors'} declares {first} "
+        f"as BF16, but {teacher / 'config.json'} says float16: the weights would be read as the "
+        "wrong type; fix the file or its config.json"
+    )
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow
