@@ -35,9 +35,13 @@ from squash.training.config_checks import (
     get_int,
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
-from squash.training.model_setup import assemble_adapter_model, setup_frozen_model
+from squash.training.model_setup import assemble_adapter_model, load_base, setup_frozen_model
 from squash.training.heldout import setup_heldout
-from squash.training.run import close_metric_logger, config_errors_in_one_line
+from squash.training.run import (
+    close_metric_logger,
+    config_errors_in_one_line,
+    open_metric_logger,
+)
 from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
@@ -170,12 +174,8 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             self._restore_counters(recipe_state)
             self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
-        # after the resume check: a refused resume keeps the run's torchtune_config.yaml
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
 
-        self._checkpointer = config.instantiate(cfg.checkpointer)
-        base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model, self._svd_init = assemble_adapter_model(
             cfg.model,
@@ -192,10 +192,10 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         del base_state_dict
 
-        teacher_checkpointer = config.instantiate(cfg.teacher_checkpointer)
+        _, teacher_state_dict = load_base(cfg.teacher_checkpointer, "teacher_checkpointer")
         self._teacher = setup_frozen_model(
             cfg.teacher,
-            teacher_checkpointer.load_checkpoint()[training.MODEL_KEY],
+            teacher_state_dict,
             device=self._device,
             dtype=self._teacher_dtype,
             where="teacher (teacher_checkpointer)",
@@ -266,6 +266,8 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             cfg.get("heldout", None), self._tokenizer,
             device=self._device, ignore_index=self._loss_fn.ignore_index,
         )  # fmt: skip
+        # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
+        self._metric_logger = open_metric_logger(cfg)
 
     def _setup_hidden_states(self) -> None:
         """Ask student and teacher for the hidden states SquareHead needs (none if its weight is

@@ -37,7 +37,7 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
-from squash.training.model_setup import setup_frozen_model
+from squash.training.model_setup import load_base, setup_frozen_model
 from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
@@ -99,10 +99,10 @@ class SquashEvalRecipe(EvalRecipeInterface):
         if cfg.get("metric_logger") is not None:
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
-        checkpointer = config.instantiate(cfg.checkpointer)
+        _, base_state_dict = load_base(cfg.checkpointer)
         self._model = setup_frozen_model(
             cfg.model,
-            checkpointer.load_checkpoint()[training.MODEL_KEY],
+            base_state_dict,
             device=self._device,
             dtype=self._dtype,
             where="model (checkpointer)",

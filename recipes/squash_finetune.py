@@ -30,9 +30,13 @@ from squash.training.config_checks import (
     get_int,
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
-from squash.training.model_setup import assemble_adapter_model
+from squash.training.model_setup import assemble_adapter_model, load_base
 from squash.training.heldout import setup_heldout
-from squash.training.run import close_metric_logger, config_errors_in_one_line
+from squash.training.run import (
+    close_metric_logger,
+    config_errors_in_one_line,
+    open_metric_logger,
+)
 from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
@@ -137,8 +141,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
             self._redo_interrupted_export(resume_dir)
 
-        self._checkpointer = config.instantiate(cfg.checkpointer)
-        base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model, self._svd_init = assemble_adapter_model(
             cfg.model,
@@ -207,8 +210,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )  # fmt: skip
         # Last: a run that stops in set-up leaves no log file and no config copy behind (nor
         # overwrites the torchtune_config.yaml of the run it refused to resume).
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
+        self._metric_logger = open_metric_logger(cfg)
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)

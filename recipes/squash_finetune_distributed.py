@@ -37,8 +37,12 @@ from squash.training.config_checks import (
 )
 from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
 from squash.training.mask_update import record_dense_grads
-from squash.training.model_setup import assemble_adapter_model
-from squash.training.run import close_metric_logger
+from squash.training.model_setup import assemble_adapter_model, load_base
+from squash.training.run import (
+    close_metric_logger,
+    config_errors_in_one_line,
+    open_metric_logger,
+)
 from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
@@ -159,12 +163,8 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             self._restore_counters(recipe_state)
             self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
-        if self._is_rank_zero:  # after the resume check: a refused resume keeps the run's copy
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
 
-        self._checkpointer = config.instantiate(cfg.checkpointer)
-        base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model = self._setup_model(cfg, base_state_dict, resume_dir)
         del base_state_dict
@@ -218,6 +218,9 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
         self._pending_rng = recipe_state["rng"][self.rank] if recipe_state is not None else None
+        # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
+        if self._is_rank_zero:
+            self._metric_logger = open_metric_logger(cfg)
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         if state["world_size"] != self.world_size:
@@ -488,12 +491,15 @@ def recipe_main(cfg: DictConfig) -> None:
         training.set_torch_num_threads()
     if int(os.environ.get("RANK", "0")) == 0:
         config.log_config(recipe_name="SquashFinetuneRecipeDistributed", cfg=cfg)
-    recipe = SquashFinetuneRecipeDistributed(cfg=cfg)
     try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
+        with config_errors_in_one_line("squash_finetune_distributed"):
+            recipe = SquashFinetuneRecipeDistributed(cfg=cfg)
+            try:
+                recipe.setup(cfg=cfg)
+                recipe.train()
+            finally:
+                recipe.cleanup()
     finally:
-        recipe.cleanup()
         dist.destroy_process_group()
 
 

@@ -160,6 +160,7 @@ def merge_adapter(
         ValueError: a model block naming other code than a model builder, or weights that do not
             fit it.
     """
+    from squash.training.config_checks import ConfigKeyError
     from squash.training.exports import adapter_layout, merged_weights
     from squash.training.model_setup import setup_adapter_model
 
@@ -175,11 +176,19 @@ def merge_adapter(
             f"{checkpoint_dir / manifest.META_FILE}: dtype {run.get('dtype')!r} is not one of "
             f"{list(_DTYPES)}"
         )
+    seed = (meta.get("counters") or {}).get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(
+            f"{checkpoint_dir / manifest.META_FILE}: counters.seed must be an integer >= 0, "
+            f"got {seed!r}"
+        )
     config, base = base_state_dict(base_dir)
-    model = setup_adapter_model(
-        model_cfg, base, device=torch.device("cpu"), dtype=dtype,
-        seed=int((meta.get("counters") or {}).get("seed", 0)),
-    )  # fmt: skip
+    try:
+        model = setup_adapter_model(
+            model_cfg, base, device=torch.device("cpu"), dtype=dtype, seed=seed
+        )
+    except ConfigKeyError as e:  # a value the model's builder refuses
+        raise ValueError(f"{cfg_path}: {e}") from None
     del base
     adapter = ckpt.load_squash_adapter(checkpoint_dir)
     ckpt.load_adapter_into(model, adapter, checkpoint_dir / ckpt.SQUASH_ADAPTER_FILE)
@@ -204,8 +213,12 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     """``block``, the ``model`` block a checkpoint file ``where`` holds, if it is data only: its
     ``_component_`` one of squash's own model builders (:func:`squash.models.adapter_builders`,
     an allow-list), every other key a parameter of that builder, every value a JSON scalar or a
-    list of them (no nested ``_component_``, no mapping, no ``${...}`` interpolation). A
-    checkpoint someone sent must never name code that runs.
+    list of them (no nested ``_component_``, no mapping, no ``${...}`` interpolation), and the
+    adapter values of the right type and range (the recipes' own
+    :func:`~squash.training.config_checks.check_model_values`: ``lora_rank``, ``lora_alpha``,
+    ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init``, the true/false keys). A
+    checkpoint someone sent must never name code that runs, nor build from a value no recipe
+    would accept.
 
     Raises:
         ValueError: one line naming ``where`` and the key at fault.
@@ -213,6 +226,7 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     import inspect
 
     from squash.models import adapter_builders
+    from squash.training.config_checks import ConfigKeyError, check_model_values
 
     if not isinstance(block, dict):
         raise ValueError(f"{where}: model is {type(block).__name__}, not a mapping of builder "
@@ -241,6 +255,10 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
                     f"{where}: model.{key} holds {_describe(v)}, not a plain value (a number, "
                     "string, boolean, null or a list of them); a checkpoint names no code"
                 )
+    try:  # the type and range checks the recipes run on their config's model block
+        check_model_values(block)
+    except ConfigKeyError as e:
+        raise ValueError(f"{where}: {e}") from None
     return block
 
 

@@ -3,9 +3,11 @@
 checkpointer, the NF4 reference Llama, and the pinned losses of ``configs/opt_tiny.yaml``. Imported as ``tests.helpers``, which
 ``python -m pytest`` from the repository root (as CI runs it) finds."""
 
+import hashlib
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,33 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 # depend on the initial adapter (drawn per module from (seed, name) since the distributed
 # recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
 PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
+
+
+def declare_dtype(path: Path, old: str, new: str) -> str:
+    """Rewrite ``path``'s safetensors header, declaring each ``old`` dtype as ``new`` (the data
+    bytes unchanged, as a file written with a wrong header would be); returns a tensor's name."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    for key, info in header.items():
+        if key != "__metadata__" and info["dtype"] == old:
+            info["dtype"] = new
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + size :])
+    return next(k for k in header if k != "__metadata__")
+
+
+def tree(path: Path) -> Dict[str, object]:
+    """``{relative path: sha256}`` of everything under ``path`` (directories as None); None
+    when ``path`` does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    return {
+        p.relative_to(path).as_posix():
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        for p in sorted(path.rglob("*"))
+    }
 
 
 class StubCheckpointer:

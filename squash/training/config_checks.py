@@ -336,12 +336,13 @@ def _check_optimizer(node: Any) -> None:
 def check_model_values(model: Mapping, where: str = "model") -> None:
     """The adapter values of a ``model`` block, where present: ``lora_rank`` an integer >= 1,
     ``lora_alpha`` a finite number, ``lora_dropout`` and ``sparsity`` in [0, 1),
-    ``sparse_factor`` one of a, b, both, and its true/false keys real booleans.
+    ``sparse_factor`` one of a, b, both, ``init`` one of lora, svd, and its true/false keys
+    real booleans.
 
     Raises:
         ConfigKeyError: naming the key (``model.sparsity``) and what it must be.
     """
-    from squash._checks import SPARSE_FACTORS
+    from squash._checks import INITS, SPARSE_FACTORS
 
     get_int(model, "lora_rank", None, minimum=1, where=where)
     alpha = model.get("lora_alpha", None)
@@ -360,6 +361,9 @@ def check_model_values(model: Mapping, where: str = "model") -> None:
         raise ConfigKeyError(
             f"{where}.sparse_factor must be one of {', '.join(SPARSE_FACTORS)}, got {factor!r}"
         )
+    init = model.get("init", None)
+    if init is not None and init not in INITS:
+        raise ConfigKeyError(f"{where}.init must be one of {', '.join(INITS)}, got {init!r}")
     for key in MODEL_BOOLEAN_KEYS:
         _boolean(model, key, where)
 

@@ -5,11 +5,11 @@ their SVD residual, plus the adapter: initial, SVD or resumed). Every training r
 or FSDP2, calls :func:`assemble_adapter_model`."""
 
 from pathlib import Path
-from typing import Callable, Dict, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
@@ -38,6 +38,37 @@ def load_all_but_adapters(model: nn.Module, state_dict: Dict[str, torch.Tensor],
         raise ValueError(f"{what}: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
 
 
+def load_base(checkpointer_cfg: DictConfig, where: str = "checkpointer") -> Tuple[Any, Dict]:
+    """The checkpointer ``checkpointer_cfg`` names and the model state dict it loads, after the
+    dtype of each ``.safetensors`` file it will read is checked against its ``config.json``
+    (:func:`squash._checks.check_safetensors_dtypes`). torchtune's checkpointers
+    (``FullModelHFCheckpointer``) read a header as it declares: F16 data declared BF16 would
+    load as garbage. The files are those the checkpointer resolved (a ``filename_format``
+    mapping too), so every recipe's every checkpointer (a teacher's too) is checked on one path.
+
+    Returns:
+        Tuple[Any, Dict]: the checkpointer (recipes save through it) and its model state dict.
+
+    Raises:
+        ConfigKeyError: ``WHERE.checkpoint_files: FILE declares ...``, naming the file, a tensor
+            and both dtypes.
+    """
+    from squash._checks import check_safetensors_dtypes
+
+    checkpointer = config.instantiate(checkpointer_cfg)
+    directory = getattr(checkpointer, "_checkpoint_dir", None)
+    paths = getattr(checkpointer, "_checkpoint_paths", None)
+    if directory is None or paths is None:  # another checkpointer: the files its config names
+        directory = checkpointer_cfg.get("checkpoint_dir", None)
+        paths = checkpointer_cfg.get("checkpoint_files", None)
+    if directory is not None and isinstance(paths, (list, tuple, ListConfig)):
+        try:
+            check_safetensors_dtypes(Path(directory), [str(p) for p in paths])
+        except ValueError as e:
+            raise ConfigKeyError(f"{where}.checkpoint_files: {e}") from None
+    return checkpointer, checkpointer.load_checkpoint()[training.MODEL_KEY]
+
+
 def build_adapter_model(
     cfg_model: DictConfig,
     *,
@@ -51,11 +82,16 @@ def build_adapter_model(
     with squash's NF4 kernel (:func:`~squash.modules.use_squash_nf4_`: equal bit for bit).
 
     Raises:
-        ConfigKeyError: a model without adapters, or ``mask_update`` without a sparse factor.
+        ConfigKeyError: a value the builder refuses (its message, after ``model``), a model
+            without adapters, or ``mask_update`` without a sparse factor.
     """
     overrides = {"init": "lora"} if "init" in cfg_model else {}
     with training.set_default_dtype(dtype), torch.device(device):
-        model = use_squash_nf4_(config.instantiate(cfg_model, **overrides))
+        try:
+            model = config.instantiate(cfg_model, **overrides)
+        except (ValueError, TypeError) as e:  # a value the builder refuses: a config error
+            raise ConfigKeyError(f"model ({cfg_model._component_}): {e}") from e
+        model = use_squash_nf4_(model)
     if not get_adapter_modules(model):
         raise ConfigKeyError(
             f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*, qlora_* or "

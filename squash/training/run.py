@@ -4,6 +4,7 @@ files left by a failed run, and third-party messages squash cannot act on kept q
 - :func:`config_errors_in_one_line`: a ``ConfigKeyError`` (or an OmegaConf interpolation error)
   ends the run with ``RECIPE: config error: MESSAGE`` on stderr and exit status 1, not a
   traceback through torchtune's launcher.
+- :func:`open_metric_logger`: the run's metric logger and its config copy, made last in set-up.
 - :func:`close_metric_logger`: closes the run's metric logger and removes its log file when the
   run wrote nothing into it (a run that failed in set-up).
 (Third-party messages squash cannot act on are filtered when squash is imported:
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from squash.training.config_checks import ConfigKeyError
+
 
 def one_line(err: BaseException) -> str:
     """An exception's message on one line (OmegaConf's span several)."""
@@ -43,6 +45,18 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
     except CheckpointIntegrityError as err:
         print(f"{recipe}: checkpoint error: {one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def open_metric_logger(cfg: Any) -> Any:
+    """The metric logger of ``cfg.metric_logger``, with the config copy written
+    (``torchtune_config.yaml``). Every recipe calls this last in set-up, so a run that stops in
+    set-up (a bad value, a model that does not build, a refused resume) leaves no log file and
+    no config copy, nor overwrites the copy of the run it refused to resume."""
+    from torchtune import config
+
+    logger = config.instantiate(cfg.metric_logger)
+    logger.log_config(cfg)
+    return logger
 
 
 def close_metric_logger(logger: Any) -> None:

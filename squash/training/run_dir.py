@@ -214,6 +214,9 @@ class RunLock:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OSError(f"output_dir {self.output_dir} cannot be created: {e}") from e
+        # what output_dir held before the run: a directory the run made in it (a checkpointer's
+        # output_dir, logs/) and left empty is removed at release too
+        self._entries = set(os.listdir(self.output_dir))
         self._fd = self._acquire()
         self.record = {
             "pid": os.getpid(),
@@ -299,6 +302,11 @@ class RunLock:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
+        try:
+            for name in sorted(set(os.listdir(self.output_dir)) - self._entries):
+                _remove_empty_dirs(self.output_dir / name)
+        except OSError:  # output_dir removed or unreadable: nothing of ours to clean
+            pass
         for path in reversed(self._created):
             try:
                 path.rmdir()  # only if empty
@@ -313,6 +321,18 @@ class RunLock:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def _remove_empty_dirs(path: Path) -> None:
+    """Remove ``path`` if it is a directory (not a link) holding nothing but empty directories."""
+    if path.is_symlink() or not path.is_dir():
+        return
+    for child in path.iterdir():
+        _remove_empty_dirs(child)
+    try:
+        path.rmdir()  # only if empty
+    except OSError:
+        pass
 
 
 def run_config_of(output_dir: Path) -> Optional[Dict[str, Any]]:

@@ -219,6 +219,90 @@ def test_the_allow_list_names_squash_builders_only():
     assert not {"squash.models.squash_model", "squash.models.opt.opt_tiny"} & set(builders)
 
 
+def _edited_model_block(twin: Path, dest: Path, key: str, value) -> Path:
+    """A copy of ``twin`` whose model block has ``key`` set to ``value``, rehashed."""
+    model = json.loads((twin / ckpt.SQUASH_ADAPTER_CONFIG_FILE).read_text())["model"]
+    return _with_model_block(twin, dest, {**model, key: value})
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("lora_rank", -1, "must be an integer >= 1, got -1"),
+    ("lora_rank", 2.5, "must be an integer >= 1, got 2.5"),
+    ("sparsity", 1.5, "must be a number in [0, 1), got 1.5"),
+    ("lora_dropout", 1.0, "must be a number in [0, 1), got 1.0"),
+    ("sparse_factor", "c", "must be one of a, b, both, got 'c'"),
+    ("lora_alpha", "x", "must be a finite number, got 'x'"),
+    ("init", "bogus", "must be one of lora, svd, got 'bogus'"),
+    ("quantize_base", "yes", "must be true or false, got 'yes'"),
+])  # fmt: skip
+def test_chat_and_export_check_the_model_block_s_values_before_building(
+    run, tmp_path, monkeypatch, capsys, key, value, what
+):
+    """The recipes' own range and type checks, on a checkpoint whose hashes are consistent (an
+    edit anyone can make): one line naming the file and the key, before the base is read."""
+    base, _, twin = run
+    bad = _edited_model_block(twin, tmp_path / "bad", key, value)
+    want = f"{bad / ckpt.SQUASH_ADAPTER_CONFIG_FILE}: model.{key} {what}"
+
+    def unreached(*args, **kwargs):
+        raise AssertionError("the base was read before the model block was checked")
+
+    monkeypatch.setattr("squash.merge.base_state_dict", unreached)
+    assert cli_main(["chat", "--checkpoint", str(bad), "--prompt", "hi"]) == 1
+    assert capsys.readouterr().err == f"squash chat: {want}\n"
+    out = tmp_path / "gguf"
+    assert cli_main(["export", str(bad), "--output-dir", str(out), "--base", str(base)]) == 1
+    assert capsys.readouterr().err == f"squash export: {want}\n"
+    assert not out.exists()
+
+
+def test_a_model_block_value_the_builder_refuses_names_the_file(run, tmp_path, capsys):
+    _, _, twin = run
+    bad = _edited_model_block(twin, tmp_path / "bad", "lora_attn_modules", ["nope"])
+    out = tmp_path / "gguf"
+    assert cli_main(["export", str(bad), "--output-dir", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"squash export: {bad / ckpt.SQUASH_ADAPTER_CONFIG_FILE}: model "
+        "(squash.models.opt.squash_opt_tiny): lora_attn_modules must be a non-empty subset of "
+        "['q_proj', 'k_proj', 'v_proj', 'output_proj'], got ['nope']\n"
+    )
+    assert not out.exists()
+
+
+def test_a_seed_of_the_wrong_type_in_checkpoint_json_is_refused(run, tmp_path):
+    _, _, twin = run
+    bad = tmp_path / "epoch_0"
+    shutil.copytree(twin, bad)
+    meta = json.loads((bad / "checkpoint.json").read_text())
+    meta["counters"]["seed"] = "x"
+    (bad / "checkpoint.json").write_text(json.dumps(meta))
+    rehash_checkpoint(bad)
+    with pytest.raises(ValueError) as info:
+        load_checkpoint_model(bad)
+    assert str(info.value) == (
+        f"{bad / 'checkpoint.json'}: counters.seed must be an integer >= 0, got 'x'"
+    )
+
+
+@pytest.mark.slow
+def test_squash_export_refuses_an_edited_sparsity_in_one_line(run, tmp_path):
+    import subprocess
+    import sys
+
+    _, _, twin = run
+    bad = _edited_model_block(twin, tmp_path / "bad", "sparsity", 1.5)
+    out = tmp_path / "gguf"
+    squash = str(Path(sys.executable).with_name("squash"))
+    proc = subprocess.run([squash, "export", str(bad), "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"squash export: {bad / ckpt.SQUASH_ADAPTER_CONFIG_FILE}: model.sparsity must be a "
+        "number in [0, 1), got 1.5"
+    )
+    assert not out.exists()
+
+
 def test_export_writes_nowhere_it_reads(run, tmp_path):
     base, _, twin = run
     for inside in (twin, twin / "gguf", base / "gguf"):

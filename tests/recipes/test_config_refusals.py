@@ -3,11 +3,9 @@ leaves its output directory as it was: no directory made, no log, no torchtune_c
 refused resume not overwriting the run's copy. Each case is a real attempt through the recipe
 class in-process; one goes through the real ``tune run``."""
 
-import hashlib
 import json
 import math
 import shutil
-import struct
 import sys
 from pathlib import Path
 
@@ -16,6 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import REPO, TINY_CONFIG, tune_run
+from tests.helpers import declare_dtype
+from tests.helpers import tree as _tree
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
@@ -49,18 +49,6 @@ def _attempt(cfg, patch=None):
     finally:
         recipe.cleanup()
     return recipe
-
-
-def _tree(path):
-    """``{relative path: sha256}`` of everything under ``path`` (directories as None); None
-    when ``path`` does not exist."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    return {
-        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-        for p in sorted(path.rglob("*"))
-    }
 
 
 def _refused(cfg, error, message, out, patch=None):
@@ -184,24 +172,10 @@ def test_an_empty_merges_txt_and_a_tokenizer_json_that_is_not_json_are_named(tmp
         smollm2_tokenizer(str(model))
 
 
-def _declare(path, old, new):
-    """Rewrite ``path``'s safetensors header, declaring each ``old`` dtype as ``new`` (the data
-    bytes unchanged, as a file written with a wrong header would be)."""
-    raw = path.read_bytes()
-    (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + size])
-    for key, info in header.items():
-        if key != "__metadata__" and info["dtype"] == old:
-            info["dtype"] = new
-    blob = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + size :])
-    return next(k for k in header if k != "__metadata__")
-
-
 def test_a_safetensors_dtype_other_than_the_config_s_is_refused(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(TINY, model)
-    first = _declare(model / "model.safetensors", "F16", "BF16")
+    first = declare_dtype(model / "model.safetensors", "F16", "BF16")
     message = (f"checkpointer.checkpoint_files: {model / 'model.safetensors'} declares {first} as "
                f"BF16, but {model / 'config.json'} says float16: the weights would be read as the "
                "wrong type; fix the file or its config.json")  # fmt: skip
@@ -216,6 +190,55 @@ def test_a_safetensors_dtype_other_than_the_config_s_is_refused(tmp_path):
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     assert reader.load_checkpoint()["model"]
+
+
+def _tiny_llama_fp16(directory):
+    """A tiny Llama saved in float16 by transformers (its config.json says float16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)  # fmt: skip
+    LlamaForCausalLM(config).half().save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+@pytest.mark.parametrize("files", [
+    ["model.safetensors"],
+    {"filename_format": "model-{}-of-{}.safetensors", "max_filename": "00001"},  # not a list
+])  # fmt: skip
+def test_torchtune_s_hf_checkpointer_is_checked_where_squash_loads_the_base(tmp_path, files):
+    """torchtune's FullModelHFCheckpointer reads a header as it declares it; squash checks the
+    files that checkpointer resolved before it loads them (every recipe, every checkpointer)."""
+    from squash.training.model_setup import load_base
+
+    model = _tiny_llama_fp16(tmp_path / "llama")
+    weights = model / "model.safetensors"
+    if isinstance(files, dict):  # the same file under the name the format gives
+        weights = weights.rename(model / "model-00001-of-00001.safetensors")
+    first = declare_dtype(weights, "F16", "BF16")
+    cfg = OmegaConf.create({"checkpointer": {
+        "_component_": "torchtune.training.FullModelHFCheckpointer",
+        "checkpoint_dir": str(model), "checkpoint_files": files, "model_type": "LLAMA3",
+        "output_dir": str(tmp_path / "out"),
+    }})  # fmt: skip
+    from torchtune import config as tt_config
+
+    if isinstance(files, list):  # refused from the config already, before anything is made
+        with pytest.raises(ConfigKeyError, match="declares"):
+            check_values(cfg)
+    else:  # a filename_format mapping: the config-time check cannot see the files
+        check_values(cfg)
+    # what torchtune alone does: the BF16 header is believed, the F16 data read as BF16
+    loaded = tt_config.instantiate(cfg.checkpointer).load_checkpoint()["model"]
+    assert {v.dtype for v in loaded.values()} == {torch.bfloat16}
+    with pytest.raises(ConfigKeyError) as info:
+        load_base(cfg.checkpointer)
+    assert str(info.value) == (
+        f"checkpointer.checkpoint_files: {weights} declares {first} as BF16, "
+        f"but {model / 'config.json'} says float16: the weights would be read as the wrong type; "
+        "fix the file or its config.json"
+    )
 
 
 def test_checkpointer_output_dir_equal_to_the_model_dir_is_refused(tmp_path):
