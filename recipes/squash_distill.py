@@ -174,6 +174,8 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
+        # before the model: a corrected base (model.base_outliers) calibrates on its tokens
+        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._checkpointer = config.instantiate(cfg.checkpointer)
         base_state_dict = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model_cfg = cfg.model
@@ -188,6 +190,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             seed=self.seed,
             adapter=None if resume_dir is None else ckpt.load_squash_adapter(resume_dir),
             adapter_source=resume_dir,
+            tokenizer=self._tokenizer,
         )
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         del base_state_dict
@@ -205,7 +208,6 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         self._setup_hidden_states()
         log.info(f"Teacher {cfg.teacher._component_}: {self._teacher_dtype}, frozen, eval mode")
 
-        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = config.instantiate(
             cfg.optimizer,
             steps.optimizer_params(
