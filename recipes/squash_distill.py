@@ -202,6 +202,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             device=self._device,
             dtype=self._teacher_dtype,
             where="teacher (teacher_checkpointer)",
+            tokenizer=self._tokenizer,
         )
         if cfg.get("compile", False):
             training.compile_model(self._teacher)

@@ -287,8 +287,13 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
                 dequantized first, which adds a second quantization error).
 
         Raises:
-            ValueError: wrong shape, or ``rank > min(in_dim, out_dim)``.
+            ValueError: wrong shape, ``rank > min(in_dim, out_dim)``, or a corrected base whose
+                outliers are already split (from the old weight: assemble the model with
+                ``init: svd`` instead, which splits the residual).
         """
+        if module_outliers(self) is not None:
+            raise ValueError("initialize_from_pretrained: this base's outliers (base_outliers) "
+                             "were split from the old weight; use init: svd in the assembly")
         if tuple(weight.shape) != (self.out_dim, self.in_dim):
             raise ValueError(
                 f"pretrained weight shape {tuple(weight.shape)} != (out_dim, in_dim) = "

@@ -69,8 +69,8 @@ def second_moments(
     mods = dict(model.named_modules())
     stats, hooks = {}, []
     for name in names:
-        stats[name] = SecondMoment(mods[name].in_features if hasattr(mods[name], "in_features")
-                                   else mods[name].in_dim)  # fmt: skip
+        width = getattr(mods[name], "in_features", None) or mods[name].in_dim  # Linear, LoRA
+        stats[name] = SecondMoment(width)
         hooks.append(mods[name].register_forward_pre_hook(
             lambda _m, args, s=stats[name]: s.update(args[0])))  # fmt: skip
     try:

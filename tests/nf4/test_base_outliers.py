@@ -242,3 +242,18 @@ def test_a_resumed_adapter_on_the_rebuilt_base_gives_the_same_outputs(base):
                                      seed=1, adapter=saved).model  # fmt: skip
     tokens = torch.randint(0, TINY["vocab_size"], (2, 8))
     assert torch.equal(model(tokens), resumed(tokens))
+
+
+def test_svd_init_splits_the_residual_it_trains_on(base):
+    from squash.training.adapter_init import svd_initial_state
+
+    cfg = _cfg(outliers=MAGNITUDE, init="svd")
+    model = _assemble(base, cfg)
+    _, residual = svd_initial_state(model, base)
+    name = "layers.0.attn.q_proj"
+    module = dict(model.named_modules())[name]
+    _, out = _dense_reference(residual[f"{name}.weight"])
+    assert torch.equal(module_outliers(module).indices, out.indices)
+    assert torch.equal(module_outliers(module).values, out.values)
+    with pytest.raises(ValueError, match="use init: svd in the assembly"):
+        module.initialize_from_pretrained(base[f"{name}.weight"])
