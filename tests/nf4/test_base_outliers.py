@@ -257,3 +257,9 @@ def test_svd_init_splits_the_residual_it_trains_on(base):
     assert torch.equal(module_outliers(module).values, out.values)
     with pytest.raises(ValueError, match="use init: svd in the assembly"):
         module.initialize_from_pretrained(base[f"{name}.weight"])
+
+
+def test_a_sharded_assembly_refuses_the_key(base):
+    with pytest.raises(ConfigKeyError, match=r"^model\.base_outliers is not supported with FSDP2"):
+        assemble_adapter_model(_cfg(outliers=MAGNITUDE), base, device=torch.device("cpu"),
+                               dtype=torch.float32, shard=lambda model: None)  # fmt: skip
