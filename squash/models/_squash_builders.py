@@ -40,7 +40,7 @@ from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_pos
 from torchtune.modules.peft import LORA_ATTN_MODULES, LoRALinear
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
-from squash.nf4.base_outliers import outliers_state_dict_post_hook, parse_base_outliers
+from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
 from squash.modules import FlatTiedLinear, SparseLoRALinear, flatten_tied_output, swap_lora_linear
 from squash.nf4 import (
     NF4Linear,
@@ -127,17 +127,6 @@ def _check_adapter_args(sparsity, sparse_factor, init, base_outliers=None,
     if sparsity is None and init != "lora":
         raise ValueError(f"init={init!r} needs sparse adapters: give a sparsity")
     check_base_outliers(base_outliers, quantize_base)
-
-
-def check_base_outliers(base_outliers, quantize_base: bool) -> None:
-    """``base_outliers`` as :func:`~squash.nf4.base_outliers.parse_base_outliers` takes it, and
-    only with ``quantize_base``.
-
-    Raises:
-        ValueError: one line naming the key (``base_outliers.fraction``, ...).
-    """
-    if parse_base_outliers(base_outliers) is not None and not quantize_base:
-        raise ValueError("base_outliers needs quantize_base: true (an NF4 base to correct)")
 
 
 def _outliers_state_dict_hook(model: nn.Module, base_outliers) -> None:

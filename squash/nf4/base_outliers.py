@@ -27,6 +27,7 @@ from squash.sparsity.ffi import ffi_to_dense
 
 __all__ = [
     "BASE_OUTLIER_KEYS",
+    "check_base_outliers",
     "DEFAULT_CALIBRATION",
     "init_base_outliers_",
     "module_outliers",
@@ -90,6 +91,17 @@ def parse_base_outliers(value: Any, where: str = "base_outliers") -> Optional[Di
             raise ValueError(f"{where}.calibration.{key} must be an integer >= 1, got {n!r}")
         cal[key] = int(n)
     return {"fraction": float(fraction), "criterion": criterion, "calibration": cal}
+
+
+def check_base_outliers(base_outliers: Any, quantize_base: bool) -> None:
+    """A builder's check: ``base_outliers`` as :func:`parse_base_outliers` takes it, and only
+    with ``quantize_base``.
+
+    Raises:
+        ValueError: one line naming the key (``base_outliers.fraction``, ...).
+    """
+    if parse_base_outliers(base_outliers) is not None and not quantize_base:
+        raise ValueError("base_outliers needs quantize_base: true (an NF4 base to correct)")
 
 
 def init_base_outliers_(module: nn.Module, base_outliers: Any) -> None:

@@ -52,7 +52,7 @@ from squash.models.opt._decoder import (
 )
 from squash.modules import FlatTiedLinear, NF4LoRALinear, SparseLoRALinear, get_adapter_modules
 from squash.nf4 import check_nf4_shape, install_torchao_extensions
-from squash.nf4.base_outliers import outliers_state_dict_post_hook, parse_base_outliers
+from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
 
 
 def opt(
@@ -400,17 +400,6 @@ def lora_opt(
         if base_outliers is not None:  # after the hook above: the bases are dense there
             model._register_state_dict_hook(outliers_state_dict_post_hook)
     return model
-
-
-def check_base_outliers(base_outliers, quantize_base: bool) -> None:
-    """``base_outliers`` as :func:`~squash.nf4.base_outliers.parse_base_outliers` takes it, and
-    only with ``quantize_base``.
-
-    Raises:
-        ValueError: one line naming the key (``base_outliers.fraction``, ...).
-    """
-    if parse_base_outliers(base_outliers) is not None and not quantize_base:
-        raise ValueError("base_outliers needs quantize_base: true (an NF4 base to correct)")
 
 
 def _opt_layer(
