@@ -175,6 +175,8 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
 
+        # before the model: a corrected base (model.base_outliers) calibrates on its tokens
+        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model, self._svd_init = assemble_adapter_model(
@@ -188,6 +190,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             seed=self.seed,
             adapter=None if resume_dir is None else ckpt.load_squash_adapter(resume_dir),
             adapter_source=resume_dir,
+            tokenizer=self._tokenizer,
         )
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         del base_state_dict
@@ -199,13 +202,13 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             device=self._device,
             dtype=self._teacher_dtype,
             where="teacher (teacher_checkpointer)",
+            tokenizer=self._tokenizer,
         )
         if cfg.get("compile", False):
             training.compile_model(self._teacher)
         self._setup_hidden_states()
         log.info(f"Teacher {cfg.teacher._component_}: {self._teacher_dtype}, frozen, eval mode")
 
-        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = config.instantiate(
             cfg.optimizer,
             steps.optimizer_params(

@@ -99,6 +99,8 @@ class SquashEvalRecipe(EvalRecipeInterface):
         if cfg.get("metric_logger") is not None:
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
+        # before the model: a corrected base (model.base_outliers) calibrates on its tokens
+        self._tokenizer = config.instantiate(cfg.tokenizer)
         _, base_state_dict = load_base(cfg.checkpointer)
         self._model = setup_frozen_model(
             cfg.model,
@@ -106,6 +108,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
             device=self._device,
             dtype=self._dtype,
             where="model (checkpointer)",
+            tokenizer=self._tokenizer,
         )
         adapter_dir = cfg.get("adapter_dir", None)
         if adapter_dir is not None:
@@ -119,7 +122,6 @@ class SquashEvalRecipe(EvalRecipeInterface):
             log.info(f"Loaded the adapter of {adapter_dir}")
         if cfg.get("compile", False):
             training.compile_model(self._model)
-        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._dataloader = data.setup_dataloader(
             cfg.dataset,
             self._tokenizer,

@@ -141,6 +141,8 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info(f"Resuming from {resume_dir} (global step {self.global_step})")
             self._redo_interrupted_export(resume_dir)
 
+        # before the model: a corrected base (model.base_outliers) calibrates on its tokens
+        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model, self._svd_init = assemble_adapter_model(
@@ -154,11 +156,11 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             seed=self.seed,
             adapter=None if resume_dir is None else ckpt.load_squash_adapter(resume_dir),
             adapter_source=resume_dir,
+            tokenizer=self._tokenizer,
         )
         self._act_ctx = training.get_act_offloading_ctx_manager(self._model, self._act_offload)
         del base_state_dict
 
-        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = config.instantiate(
             cfg.optimizer,
             steps.optimizer_params(

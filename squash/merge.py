@@ -213,12 +213,12 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     """``block``, the ``model`` block a checkpoint file ``where`` holds, if it is data only: its
     ``_component_`` one of squash's own model builders (:func:`squash.models.adapter_builders`,
     an allow-list), every other key a parameter of that builder, every value a JSON scalar or a
-    list of them (no nested ``_component_``, no mapping, no ``${...}`` interpolation), and the
-    adapter values of the right type and range (the recipes' own
-    :func:`~squash.training.config_checks.check_model_values`: ``lora_rank``, ``lora_alpha``,
-    ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init``, the true/false keys). A
-    checkpoint someone sent must never name code that runs, nor build from a value no recipe
-    would accept.
+    list of them (no nested ``_component_``, no mapping but ``base_outliers``' keys of plain
+    values, no ``${...}`` interpolation), and the adapter values of the right type and range
+    (the recipes' own :func:`~squash.training.config_checks.check_model_values`: ``lora_rank``,
+    ``lora_alpha``, ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init``,
+    ``base_outliers``, the true/false keys). A checkpoint someone sent must never name code that
+    runs, nor build from a value no recipe would accept.
 
     Raises:
         ValueError: one line naming ``where`` and the key at fault.
@@ -248,7 +248,10 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
             continue
         if not isinstance(key, str) or not (key in named or (any_key and key.isidentifier())):
             raise ValueError(f"{where}: model.{key} is not an argument of {component}")
-        values = value if isinstance(value, list) else [value]
+        if key == "base_outliers" and isinstance(value, dict):
+            values = _outlier_values(value, where)
+        else:
+            values = value if isinstance(value, list) else [value]
         for v in values:
             if not isinstance(v, _PLAIN) or (isinstance(v, str) and "${" in v):
                 raise ValueError(
@@ -260,6 +263,23 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     except ConfigKeyError as e:
         raise ValueError(f"{where}: {e}") from None
     return block
+
+
+def _outlier_values(block: Dict[str, Any], where: Path) -> List[Any]:
+    """The plain values of a ``model.base_outliers`` mapping (its one nested mapping,
+    ``calibration``, flattened), its keys checked.
+
+    Raises:
+        ValueError: one line naming ``where`` and the key at fault.
+    """
+    from squash.nf4.base_outliers import parse_base_outliers
+
+    try:
+        parse_base_outliers(block, "model.base_outliers")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    calibration = block.get("calibration") or {}
+    return [v for k, v in block.items() if k != "calibration"] + list(calibration.values())
 
 
 def _describe(value: Any) -> str:

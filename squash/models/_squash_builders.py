@@ -23,7 +23,7 @@ weight copies that torchtune's chunked output costs on the CPU in bf16).
 """
 
 from functools import partial
-from typing import Callable, List, Optional
+from typing import Callable, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_pos
 from torchtune.modules.peft import LORA_ATTN_MODULES, LoRALinear
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
+from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
 from squash.modules import FlatTiedLinear, SparseLoRALinear, flatten_tied_output, swap_lora_linear
 from squash.nf4 import (
     NF4Linear,
@@ -63,6 +64,7 @@ def linear(
     sparsity: Optional[float] = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
     name: str = "linear",
 ) -> nn.Module:
     """One projection of a decoder layer, constructed as what it stays.
@@ -80,6 +82,8 @@ def linear(
             torchtune's dense ``LoRALinear``. Default: 0.9
         sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
         init (str): ``"lora"`` or ``"svd"`` (sparse adapters only). Default: ``"lora"``
+        base_outliers (Optional[Mapping]): with ``quantize_base``, a corrected NF4 base
+            (:mod:`squash.nf4.base_outliers`). Default: None (plain NF4)
         name (str): what the projection is, for error messages.
 
     Returns:
@@ -89,35 +93,47 @@ def linear(
     Raises:
         ValueError: an NF4 base no block size divides, or a frozen NF4 base with a bias.
     """
-    sizes = {}
+    sizes, outliers = {}, {}
     if quantize_base:
         block, scaler = nf4_block_sizes(name, (out_dim, in_dim))
         sizes = dict(block_size=block, scaler_block_size=scaler)
+        outliers = dict(base_outliers=base_outliers)
+    elif base_outliers is not None:
+        raise ValueError(f"{name}: base_outliers needs quantize_base=True")
     if adapt and sparsity is not None:
         return SparseLoRALinear(
             in_dim, out_dim, lora_rank, lora_alpha, sparsity=sparsity,
             sparse_factor=sparse_factor, dropout=lora_dropout, use_bias=use_bias,
-            quantize_base=quantize_base, init=init, **sizes,
+            quantize_base=quantize_base, init=init, **outliers, **sizes,
         )  # fmt: skip
     if adapt:
         lora_cls = NF4LoRALinear if quantize_base else LoRALinear
         return lora_cls(
             in_dim, out_dim, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
-            use_bias=use_bias, quantize_base=quantize_base, **sizes,
+            use_bias=use_bias, quantize_base=quantize_base, **outliers, **sizes,
         )  # fmt: skip
     if quantize_base:
         if use_bias:
             raise ValueError(f"{name}: a frozen NF4 linear takes no bias")
-        return NF4Linear(in_dim, out_dim, bias=False, **sizes)
+        return NF4Linear(in_dim, out_dim, bias=False, **outliers, **sizes)
     return nn.Linear(in_dim, out_dim, bias=use_bias)
 
 
-def _check_adapter_args(sparsity, sparse_factor, init) -> None:
+def _check_adapter_args(sparsity, sparse_factor, init, base_outliers=None,
+                        quantize_base=True) -> None:  # fmt: skip
     check_sparsity("sparsity", sparsity, allow_none=True)
     check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
     check_choice("init", init, INITS)
     if sparsity is None and init != "lora":
         raise ValueError(f"init={init!r} needs sparse adapters: give a sparsity")
+    check_base_outliers(base_outliers, quantize_base)
+
+
+def _outliers_state_dict_hook(model: nn.Module, base_outliers) -> None:
+    """With ``base_outliers``, state dicts hold each corrected base as ``dequant(NF4) + S``
+    (registered after the QLoRA hook, which dequantizes)."""
+    if base_outliers is not None:
+        model._register_state_dict_hook(outliers_state_dict_post_hook)
 
 
 def _qlora_state_dict_hook(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
@@ -154,6 +170,7 @@ def squash_llama3_2(
     sparse_factor: str = "a",
     init: str = "lora",
     state_dict_dtype: Optional[torch.dtype] = torch.bfloat16,
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """torchtune's ``lora_llama3_2`` (Llama 3.2, SmolLM2) with each projection built by
     :func:`linear`: sparse adapters (or torchtune's ``LoRALinear`` with ``sparsity=None``) on NF4
@@ -163,7 +180,8 @@ def squash_llama3_2(
     Args: as torchtune's ``lora_llama3_2`` (sizes, ``lora_*``, ``quantize_base``), plus
         ``sparsity``, ``sparse_factor`` and ``init`` (see :func:`linear`) and
         ``state_dict_dtype``, the dtype a QLoRA state dict holds the bases in (torchtune's
-        bf16 default; None for the model's dtype).
+        bf16 default; None for the model's dtype), and ``base_outliers`` (a corrected NF4
+        base for every projection, see :func:`linear`).
 
     Returns:
         TransformerDecoder: the model.
@@ -172,7 +190,7 @@ def squash_llama3_2(
         ValueError: ``apply_lora_to_output`` (the output is tied or left dense, as in
             torchtune), bad sparsity arguments, or an NF4 shape no block size divides.
     """
-    _check_adapter_args(sparsity, sparse_factor, init)
+    _check_adapter_args(sparsity, sparse_factor, init, base_outliers, quantize_base)
     if apply_lora_to_output:
         raise ValueError(
             "apply_lora_to_output is currently not supporting in llama3.2 1b and 3b,"
@@ -184,6 +202,7 @@ def squash_llama3_2(
     lin = partial(
         linear, quantize_base=quantize_base, lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_dropout=lora_dropout, sparsity=sparsity, sparse_factor=sparse_factor, init=init,
+        base_outliers=base_outliers,
     )  # fmt: skip
     rope = Llama3ScaledRoPE(
         dim=head_dim, max_seq_len=max_seq_len, base=rope_base, scale_factor=scale_factor
@@ -228,6 +247,7 @@ def squash_llama3_2(
     )  # fmt: skip
     if quantize_base:
         _qlora_state_dict_hook(model, state_dict_dtype)
+        _outliers_state_dict_hook(model, base_outliers)
     return model
 
 
@@ -254,12 +274,14 @@ def squash_qwen2(
     sparsity: Optional[float] = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """torchtune's ``lora_qwen2`` (Qwen 2.5) with each adapted projection built by
     :func:`linear`: q/k/v with a dense frozen bias, a RoPE per layer, the projections left
     without an adapter dense (as torchtune's), the QLoRA state dict in the model's dtype.
 
-    Args: as torchtune's ``lora_qwen2``, plus ``sparsity``, ``sparse_factor`` and ``init``.
+    Args: as torchtune's ``lora_qwen2``, plus ``sparsity``, ``sparse_factor``, ``init`` and
+        ``base_outliers`` (for the quantized, adapted projections).
 
     Returns:
         TransformerDecoder: the model.
@@ -267,7 +289,7 @@ def squash_qwen2(
     Raises:
         ValueError: ``apply_lora_to_output`` with tied embeddings, bad sparsity arguments.
     """
-    _check_adapter_args(sparsity, sparse_factor, init)
+    _check_adapter_args(sparsity, sparse_factor, init, base_outliers, quantize_base)
     if quantize_base:
         install_torchao_extensions()
     head_dim = embed_dim // num_heads
@@ -278,8 +300,9 @@ def squash_qwen2(
 
     def lin(i, o, adapt, name, use_bias=False):
         # torchtune's Qwen 2 quantizes adapted bases only
-        return linear(i, o, adapt=adapt, use_bias=use_bias, quantize_base=quantize_base and adapt,
-                      name=name, **lora)  # fmt: skip
+        nf4 = quantize_base and adapt
+        return linear(i, o, adapt=adapt, use_bias=use_bias, quantize_base=nf4, name=name,
+                      base_outliers=base_outliers if nf4 else None, **lora)  # fmt: skip
 
     layers = nn.ModuleList()
     for _ in range(num_layers):
@@ -328,6 +351,7 @@ def squash_qwen2(
     )  # fmt: skip
     if quantize_base:
         _qlora_state_dict_hook(model, None)
+        _outliers_state_dict_hook(model, base_outliers)
     return model
 
 
@@ -390,6 +414,7 @@ def squash_llama3_2_1b(
     sparse_factor: str = "a",
     init: str = "lora",
     tie_word_embeddings: bool = True,
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """Llama 3.2 1B with FFI-sparse LoRA adapters on an NF4 base (see ``lora_llama3_2_1b``).
 
@@ -406,6 +431,8 @@ def squash_llama3_2_1b(
         sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
         init (str): ``"lora"`` or ``"svd"``, see :func:`linear`. Default: ``"lora"``
         tie_word_embeddings (bool): tie output projection and embeddings. Default: True
+        base_outliers (Optional[Mapping]): a corrected NF4 base ``{fraction, criterion}``
+            (config ``model.base_outliers``, see :mod:`squash.nf4.base_outliers`). Default: None
 
     Returns:
         TransformerDecoder: the model.
@@ -425,6 +452,7 @@ def squash_llama3_2_3b(
     sparse_factor: str = "a",
     init: str = "lora",
     tie_word_embeddings: bool = True,
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """Llama 3.2 3B with FFI-sparse LoRA adapters on an NF4 base (see ``lora_llama3_2_3b``).
 
@@ -444,6 +472,7 @@ def squash_qwen2_5_0_5b(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """Qwen 2.5 0.5B (base or instruct) with FFI-sparse LoRA adapters on an NF4 base.
 
@@ -464,6 +493,7 @@ def squash_qwen2_5_1_5b_base(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """Qwen 2.5 1.5B base with FFI-sparse LoRA adapters on an NF4 base.
 
@@ -483,6 +513,7 @@ def squash_qwen2_5_1_5b_instruct(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """Qwen 2.5 1.5B instruct with FFI-sparse LoRA adapters on an NF4 base.
 

@@ -7,7 +7,7 @@ each an :class:`~squash.modules.FFILinear` or a bias-free ``nn.Linear``, as buil
 """
 
 import math
-from typing import List, Optional, Union
+from typing import List, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,10 @@ from squash.nf4 import (
     check_nf4_shape,
     install_torchao_extensions,
     nf4_block_sizes,
-    nf4_linear,
     quantize_nf4,
 )
+from squash.nf4.base_outliers import init_base_outliers_, module_outliers
+from squash.nf4.outliers import corrected_base, outlier_linear
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
 def lora_factor(
@@ -104,6 +105,10 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             quantized when ``quantize_base``. Default: None (drawn as ``nn.Linear`` draws it).
         bias (Optional[nn.Parameter]): the existing base bias ``(out_dim,)``, given with
             ``weight`` exactly when ``use_bias``.
+        base_outliers (Optional[Mapping]): with ``quantize_base``, a corrected base
+            ``NF4(W - S) + S`` (``{"fraction", "criterion"}``, see
+            :mod:`squash.nf4.base_outliers`; ``S`` is set when the base is loaded). Default:
+            None (plain NF4).
 
     Raises:
         ValueError: naming a bad argument (sizes, ``rank``, ``alpha``, ``sparsity``,
@@ -131,6 +136,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         generator: Optional[torch.Generator] = None,
         weight: Optional[nn.Parameter] = None,
         bias: Optional[nn.Parameter] = None,
+        base_outliers: Optional[Mapping] = None,
         **quantization_kwargs,
     ):
         super().__init__()
@@ -159,6 +165,9 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         self.init = init
         self._quantize_base = quantize_base
         self.disabled = False
+        if base_outliers is not None and not quantize_base:
+            raise ValueError("base_outliers needs quantize_base=True (an NF4 base to correct)")
+        init_base_outliers_(self, base_outliers)
         if quantize_base:
             install_torchao_extensions()  # an NF4 base clones with its own block sizes
 
@@ -278,8 +287,13 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
                 dequantized first, which adds a second quantization error).
 
         Raises:
-            ValueError: wrong shape, or ``rank > min(in_dim, out_dim)``.
+            ValueError: wrong shape, ``rank > min(in_dim, out_dim)``, or a corrected base whose
+                outliers are already split (from the old weight: assemble the model with
+                ``init: svd`` instead, which splits the residual).
         """
+        if module_outliers(self) is not None:
+            raise ValueError("initialize_from_pretrained: this base's outliers (base_outliers) "
+                             "were split from the old weight; use init: svd in the assembly")
         if tuple(weight.shape) != (self.out_dim, self.in_dim):
             raise ValueError(
                 f"pretrained weight shape {tuple(weight.shape)} != (out_dim, in_dim) = "
@@ -318,7 +332,8 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             torch.Tensor: ``(..., out_dim)``.
         """
         if self._quantize_base:
-            out = nf4_linear(x, self.weight)  # torchao's linear_nf4 with squash's dequantize
+            # torchao's linear_nf4 with squash's dequantize, plus the outliers' FFI product
+            out = outlier_linear(x, self.weight, module_outliers(self))
             if self.use_bias:
                 out = out + self.bias
         else:
@@ -336,12 +351,15 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
 
     @torch.no_grad()
     def merged_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Dense ``W + scaling * B_dense @ A_dense`` (``(out_dim, in_dim)``), NF4 dequantized.
+        """Dense ``W + scaling * B_dense @ A_dense`` (``(out_dim, in_dim)``), NF4 dequantized
+        (a corrected base: ``dequant(NF4) + S``).
 
         Computed in float32 and returned in ``dtype`` (default: the adapter's dtype).
         """
         a, b = self.dense_factors()
-        w = _dequantize(self.weight).float() + self.scaling * (b.float() @ a.float())
+        out = module_outliers(self)
+        base = _dequantize(self.weight) if out is None else corrected_base(self.weight, out)
+        w = base.float() + self.scaling * (b.float() @ a.float())
         return w.to(dtype or a.dtype)
 
     def extra_repr(self) -> str:

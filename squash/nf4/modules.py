@@ -18,14 +18,22 @@ from torch import nn
 from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import LoRALinear
 
+from squash.nf4.base_outliers import init_base_outliers_, module_outliers
 from squash.nf4.extensions import install_torchao_extensions
-from squash.nf4.ops import nf4_linear
+from squash.nf4.outliers import outlier_linear
 
 
 class NF4LoRALinear(LoRALinear):
     """torchtune's :class:`~torchtune.modules.peft.LoRALinear` whose NF4 base (``quantize_base``)
     is computed by :func:`squash.nf4.nf4_linear`; everything else is ``LoRALinear``'s, and so are
-    the constructor's arguments."""
+    the constructor's arguments, plus ``base_outliers`` (keyword only, with ``quantize_base``):
+    a corrected base ``NF4 + S`` (:mod:`squash.nf4.base_outliers`), None for plain NF4."""
+
+    def __init__(self, *args, base_outliers=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if base_outliers is not None and not self._quantize_base:
+            raise ValueError("base_outliers needs quantize_base=True (an NF4 base to correct)")
+        init_base_outliers_(self, base_outliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """
@@ -37,7 +45,7 @@ class NF4LoRALinear(LoRALinear):
         """
         if not self._quantize_base:
             return super().forward(x)
-        out = nf4_linear(x, self.weight)
+        out = outlier_linear(x, self.weight, module_outliers(self))  # S None: nf4_linear
         if self.use_bias:
             out = out + self.bias
         if self.disabled:
@@ -51,7 +59,12 @@ class NF4LoRALinear(LoRALinear):
 class NF4Linear(FrozenNF4Linear):
     """torchtune's :class:`~torchtune.modules.low_precision.FrozenNF4Linear` (a frozen linear
     with an NF4 weight, a projection left without an adapter) computed by
-    :func:`squash.nf4.nf4_linear`; the constructor's arguments are ``FrozenNF4Linear``'s."""
+    :func:`squash.nf4.nf4_linear`; the constructor's arguments are ``FrozenNF4Linear``'s, plus
+    ``base_outliers`` (keyword only) as in :class:`NF4LoRALinear`."""
+
+    def __init__(self, *args, base_outliers=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        init_base_outliers_(self, base_outliers)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """
@@ -61,7 +74,7 @@ class NF4Linear(FrozenNF4Linear):
         Returns:
             torch.Tensor: ``(..., out_dim)``.
         """
-        out = nf4_linear(input, self.weight)
+        out = outlier_linear(input, self.weight, module_outliers(self))
         if self.bias is not None:
             out = out + self.bias
         return out

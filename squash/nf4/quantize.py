@@ -17,7 +17,6 @@ import torch
 
 from squash.nf4._torchao import NF4Tensor, linear_nf4, to_nf4
 from squash.nf4.extensions import install_torchao_extensions
-from squash.nf4.modules import is_plain_lora, use_squash_nf4_
 
 __all__ = [
     "NF4Tensor",
@@ -163,6 +162,9 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
         ValueError: naming the module whose shape no block size divides, or a biased linear.
     """
     from torchtune.modules.low_precision import FrozenNF4Linear
+
+    # here, not at the top: squash.nf4.modules imports the outliers, which import this module
+    from squash.nf4.modules import is_plain_lora, use_squash_nf4_
 
     install_torchao_extensions()
     for layer_name, layer in model.layers.named_modules(prefix="layers"):

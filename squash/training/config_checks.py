@@ -336,8 +336,9 @@ def _check_optimizer(node: Any) -> None:
 def check_model_values(model: Mapping, where: str = "model") -> None:
     """The adapter values of a ``model`` block, where present: ``lora_rank`` an integer >= 1,
     ``lora_alpha`` a finite number, ``lora_dropout`` and ``sparsity`` in [0, 1),
-    ``sparse_factor`` one of a, b, both, ``init`` one of lora, svd, and its true/false keys
-    real booleans.
+    ``sparse_factor`` one of a, b, both, ``init`` one of lora, svd, its true/false keys real
+    booleans, and ``base_outliers`` (``fraction`` in (0, 0.5], a known ``criterion`` and
+    ``calibration`` keys, only with an NF4 base).
 
     Raises:
         ConfigKeyError: naming the key (``model.sparsity``) and what it must be.
@@ -366,6 +367,22 @@ def check_model_values(model: Mapping, where: str = "model") -> None:
         raise ConfigKeyError(f"{where}.init must be one of {', '.join(INITS)}, got {init!r}")
     for key in MODEL_BOOLEAN_KEYS:
         _boolean(model, key, where)
+    _check_base_outliers(model, where)
+
+
+def _check_base_outliers(model: Mapping, where: str) -> None:
+    """``model.base_outliers``: keys and values (:func:`~squash.nf4.base_outliers.
+    parse_base_outliers`), and never with ``quantize_base: false``."""
+    from squash.nf4.base_outliers import parse_base_outliers
+
+    value = model.get("base_outliers", None)
+    try:
+        parsed = parse_base_outliers(to_plain(value), f"{where}.base_outliers")
+    except ValueError as e:
+        raise ConfigKeyError(str(e)) from e
+    if parsed is not None and model.get("quantize_base", None) is False:
+        raise ConfigKeyError(f"{where}.base_outliers needs quantize_base: true (an NF4 base to "
+                             "correct); remove it or quantize the base")  # fmt: skip
 
 
 def _check_tokenizer_files(node: Mapping) -> None:

@@ -16,7 +16,9 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
 from squash.training import checkpoint as ckpt
+from squash.nf4.base_outliers import outlier_modules
 from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
+from squash.training.calibration import apply_base_outliers_, model_second_moments
 from squash.training.config_checks import ConfigKeyError
 from squash.training.distributed import load_full_state_dict
 from squash.modules.adapter import adapter_layout, dense_adapter
@@ -135,6 +137,7 @@ def assemble_adapter_model(
     adapter_source: Union[str, Path, None] = None,
     shard: Optional[Callable[[nn.Module], None]] = None,
     cpu_offload: bool = False,
+    tokenizer: Any = None,
 ) -> AdapterModel:
     """The model of ``cfg_model`` (a LoRA, QLoRA or squash builder), assembled in one pass.
 
@@ -162,18 +165,27 @@ def assemble_adapter_model(
         shard (Optional[Callable[[nn.Module], None]]): shards the model in place (FSDP2), after
             compile and activation checkpointing, before the load.
         cpu_offload (bool): the sharded parameters live on the CPU.
+        tokenizer (Any): the run's tokenizer; cuts the calibration text of
+            ``model.base_outliers`` with ``criterion: sensitivity``.
+
+    With ``model.base_outliers`` each NF4 base is split, after the load, into ``NF4(W - S)``
+    and its outliers ``S`` (:mod:`squash.training.calibration`; the sensitivity criterion's
+    second moments measured on the unquantized model first): ``S`` is rebuilt from the base
+    weights on every assembly, never read from a checkpoint.
 
     Returns:
         AdapterModel: the model and, with ``init: svd``, its initial dense factors.
 
     Raises:
         ConfigKeyError: a model without adapters, ``mask_update`` without a sparse factor,
-            ``init: svd`` without squash adapters.
+            ``init: svd`` without squash adapters, ``model.base_outliers`` with a sharded
+            model, or ``criterion: sensitivity`` without a tokenizer.
         ValueError: base weights or an adapter that do not fit the model.
     """
     svd = cfg_model.get("init", "lora") == "svd"
     model = build_adapter_model(cfg_model, device="meta", dtype=dtype, mask_update=mask_update)
     adapters = get_adapter_modules(model)
+    moments = _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype, shard)
     if compile_model:
         training.compile_model(model, verbose=_rank_zero())
     if activation_checkpointing:
@@ -218,6 +230,9 @@ def assemble_adapter_model(
             f"The base checkpoint does not fit model {cfg_model._component_}: missing "
             f"{missing[:5]}, unexpected {list(unexpected)[:5]}"
         )
+    if moments is not None:  # the corrected bases, from the weights just loaded
+        n = apply_base_outliers_(model, base_state_dict, moments)
+        log.info(f"Split {n} NF4 bases into NF4 + FFI outliers (model.base_outliers)")
     training.validate_no_params_on_meta_device(model)
     training.validate_expected_param_dtype(get_adapter_params(model).items(), dtype)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -227,6 +242,21 @@ def assemble_adapter_model(
             f"parameters, {dtype}, on {device}"
         )
     return AdapterModel(model, svd_init)
+
+
+def _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype, shard):
+    """None without ``model.base_outliers``; else the calibration second moments by module name
+    (empty for the ``magnitude`` criterion)."""
+    names = list(outlier_modules(model))
+    if not names:
+        return None
+    if shard is not None:
+        raise ConfigKeyError("model.base_outliers is not supported with FSDP2 sharding yet; "
+                             "remove it or train on one device")  # fmt: skip
+    if cfg_model.base_outliers.get("criterion", "sensitivity") != "sensitivity":
+        return {}
+    return model_second_moments(cfg_model, base_state_dict, names, tokenizer, device=device,
+                                dtype=dtype)  # fmt: skip
 
 
 def setup_adapter_model(
@@ -239,6 +269,7 @@ def setup_adapter_model(
     activation_checkpointing: bool = False,
     compile_model: bool = False,
     seed: int = 0,
+    tokenizer: Any = None,
 ) -> nn.Module:
     """:func:`assemble_adapter_model`'s model, on one device, with its initial adapter.
 
@@ -248,7 +279,7 @@ def setup_adapter_model(
     return assemble_adapter_model(
         cfg_model, base_state_dict, device=device, dtype=dtype, mask_update=mask_update,
         activation_checkpointing=activation_checkpointing, compile_model=compile_model,
-        seed=seed,
+        seed=seed, tokenizer=tokenizer,
     ).model  # fmt: skip
 
 
@@ -259,6 +290,7 @@ def setup_frozen_model(
     device: torch.device,
     dtype: torch.dtype,
     where: str = "model",
+    tokenizer: Any = None,
 ) -> nn.Module:
     """Build ``cfg_model``, load ``state_dict``, freeze the model and put it in eval mode (a
     distillation teacher, or a model to evaluate).
@@ -266,16 +298,21 @@ def setup_frozen_model(
     Every key must load, except adapter keys (``.lora_``) of a model with adapters, which keep
     their initialisation (``lora_b`` is zero, so the adapters add nothing until an adapter is
     loaded into them). NF4 modules are computed with squash's kernel, as in
-    :func:`build_adapter_model`.
+    :func:`build_adapter_model`. With ``model.base_outliers`` each NF4 base is split into NF4
+    and outliers from ``state_dict`` as in :func:`assemble_adapter_model` (``tokenizer`` for
+    the sensitivity criterion's calibration).
 
     Raises:
         ValueError: naming ``where`` if the weights do not fit the model.
     """
     with training.set_default_dtype(dtype), device:
         model = use_squash_nf4_(config.instantiate(cfg_model))
+    moments = _outlier_moments(model, cfg_model, state_dict, tokenizer, device, dtype, None)
     load_all_but_adapters(
         model, state_dict, f"The checkpoint of {where} does not fit {cfg_model._component_}"
     )
+    if moments is not None:
+        apply_base_outliers_(model, state_dict, moments)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

@@ -28,7 +28,7 @@ Module names, for the key table in ``_convert_weights.py`` (``N`` = layer index)
 """
 
 from functools import partial
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -52,6 +52,7 @@ from squash.models.opt._decoder import (
 )
 from squash.modules import FlatTiedLinear, NF4LoRALinear, SparseLoRALinear, get_adapter_modules
 from squash.nf4 import check_nf4_shape, install_torchao_extensions
+from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
 
 
 def opt(
@@ -225,6 +226,7 @@ def lora_opt(
     sparse_factor: str = "a",
     init: str = "lora",
     init_std: float = 0.02,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Build an OPT decoder with LoRA adapters on a subset of its linear layers.
 
@@ -269,6 +271,9 @@ def lora_opt(
             checkpoint, call :func:`~squash.modules.svd_initialize` with its unquantized
             weights to factor those instead. Default ``"lora"``.
         init_std (float): as for :func:`opt`. Default 0.02.
+        base_outliers (Optional[Mapping]): with ``quantize_base``, a corrected NF4 base for
+            each adapted layer (config ``model.base_outliers``, see
+            :mod:`squash.nf4.base_outliers`). Default None.
 
     Returns:
         OPTDecoder: the model. With ``quantize_base``, its state dict holds the NF4 weights
@@ -307,6 +312,7 @@ def lora_opt(
     check_choice("init", init, INITS)
     if sparsity is None and init != "lora":
         raise ValueError(f"init={init!r} needs sparse adapters: give a sparsity")
+    check_base_outliers(base_outliers, quantize_base)
     if quantize_base:  # name the layer before torchao fails on it with a bare assertion
         install_torchao_extensions()
         for name, shape in _adapted_shapes(
@@ -322,6 +328,8 @@ def lora_opt(
             use_bias=True,
             quantize_base=quantize_base,
         )
+        if quantize_base:
+            lora_args["base_outliers"] = base_outliers
         if sparsity is None:  # torchtune's LoRALinear draws its own base: give it OPT's init
             # (an NF4 base: NF4LoRALinear, LoRALinear computed with squash's NF4 kernel)
             lora_cls = NF4LoRALinear if quantize_base else LoRALinear
@@ -389,6 +397,8 @@ def lora_opt(
                 offload_to_cpu=True,
             )
         )
+        if base_outliers is not None:  # after the hook above: the bases are dense there
+            model._register_state_dict_hook(outliers_state_dict_post_hook)
     return model
 
 

@@ -13,7 +13,7 @@ torchtune.
 """
 
 from functools import partial
-from typing import List
+from typing import List, Mapping, Optional
 
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
@@ -78,6 +78,7 @@ def lora_opt_125m(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Builder for OPT-125m with LoRA adapters; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["125m"], **locals())
@@ -92,6 +93,7 @@ def lora_opt_350m(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Builder for OPT-350m with LoRA adapters; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["350m"], **locals())
@@ -106,6 +108,7 @@ def lora_opt_1_3b(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Builder for OPT-1.3b with LoRA adapters; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["1_3b"], **locals())
@@ -120,6 +123,7 @@ def lora_opt_2_7b(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Builder for OPT-2.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["2_7b"], **locals())
@@ -134,6 +138,7 @@ def lora_opt_6_7b(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Builder for OPT-6.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["6_7b"], **locals())
@@ -148,6 +153,7 @@ def lora_opt_tiny(
     lora_dropout: float = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """Builder for the tiny OPT with LoRA adapters; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["tiny"], **locals())

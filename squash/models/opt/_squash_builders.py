@@ -7,7 +7,7 @@ squash is QLoRA.
 """
 
 from functools import partial
-from typing import List
+from typing import List, Mapping, Optional
 
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
@@ -31,6 +31,7 @@ def squash_opt_125m(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """OPT-125m with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["125m"], **locals())
@@ -47,6 +48,7 @@ def squash_opt_350m(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """OPT-350m with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["350m"], **locals())
@@ -63,6 +65,7 @@ def squash_opt_1_3b(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """OPT-1.3b with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["1_3b"], **locals())
@@ -79,6 +82,7 @@ def squash_opt_2_7b(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """OPT-2.7b with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["2_7b"], **locals())
@@ -95,6 +99,7 @@ def squash_opt_6_7b(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """OPT-6.7b with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
     return lora_opt(**_OPT_SIZES["6_7b"], **locals())
@@ -111,6 +116,7 @@ def squash_opt_tiny(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
     """The tiny OPT with FFI-sparse LoRA adapters on an NF4 base; arguments as for
     :func:`lora_opt`."""

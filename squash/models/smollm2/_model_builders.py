@@ -16,7 +16,7 @@ constructed as what it stays: NF4 bases with block sizes chosen for their shape,
 """
 
 from functools import partial
-from typing import List
+from typing import List, Mapping, Optional
 
 from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import TransformerDecoder
@@ -62,6 +62,7 @@ def lora_smollm2_135m(
     lora_alpha: float = 16,
     lora_dropout: float = 0.0,
     quantize_base: bool = False,
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """SmolLM2-135M with torchtune's LoRA adapters (``lora_llama3_2``).
 
@@ -76,6 +77,8 @@ def lora_smollm2_135m(
         lora_dropout (float): adapter input dropout. Default: 0.0
         quantize_base (bool): NF4 base weights (QLoRA), block sizes chosen per weight.
             Default: False
+        base_outliers (Optional[Mapping]): with ``quantize_base``, a corrected NF4 base
+            (config ``model.base_outliers``, see :mod:`squash.nf4.base_outliers`). Default: None
 
     Returns:
         TransformerDecoder: the model.
@@ -88,6 +91,7 @@ def lora_smollm2_135m(
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
         quantize_base=quantize_base,
+        base_outliers=base_outliers,
         sparsity=None,  # torchtune's LoRALinear (NF4LoRALinear on an NF4 base)
         state_dict_dtype=None,  # the model's (torchtune's bf16 would round an fp32 run's merge)
         **SMOLLM2_135M,
@@ -113,6 +117,7 @@ def squash_smollm2_135m(
     sparsity: float = 0.9,
     sparse_factor: str = "a",
     init: str = "lora",
+    base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
     """SmolLM2-135M with FFI-sparse LoRA adapters on an NF4 base (see :func:`lora_smollm2_135m`).
 
@@ -132,6 +137,8 @@ def squash_smollm2_135m(
         sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
         init (str): ``"lora"`` or ``"svd"``, see :func:`squash.models.linear`.
             Default: ``"lora"``
+        base_outliers (Optional[Mapping]): a corrected NF4 base (see
+            :func:`lora_smollm2_135m`). Default: None
 
     Returns:
         TransformerDecoder: the model.

@@ -1,0 +1,69 @@
+"""``model.base_outliers`` in a real ``tune run squash_finetune`` on the tiny OPT: the run
+calibrates with its own tokenizer, trains on the corrected base, and its merged weights are
+``dequant(NF4) + S + B A`` of the model rebuilt from the base (S is not in the checkpoint)."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from tests.helpers import PINNED, REPO, logged
+
+TINY = REPO / "assets" / "tiny_opt"
+KEYS = ["epochs=1", "max_steps_per_epoch=2", "~mask_update",
+        "model.base_outliers.fraction=0.02", "model.base_outliers.criterion=sensitivity",
+        "model.base_outliers.calibration.samples=4",
+        "model.base_outliers.calibration.max_seq_len=64"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, tmp_path):
+    from squash.models.opt import OPTCheckpointer, opt_tokenizer
+    from squash.nf4.base_outliers import module_outliers
+    from squash.training import checkpoint as ckpt
+    from squash.training.model_setup import setup_adapter_model
+
+    proc = run(tmp_path, *KEYS)
+    assert "NF4 + FFI outliers" in proc.stdout + proc.stderr
+    losses = logged(tmp_path)
+    # the base changed a little: not plain NF4's loss, near it
+    assert losses[1] != PINNED[1] and losses[1] == pytest.approx(PINNED[1], rel=1e-2)
+    epoch = tmp_path / "epoch_0"
+    block = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
+    assert block["base_outliers"]["criterion"] == "sensitivity"
+    assert not any("outlier" in k for k in load_file(epoch / ckpt.SQUASH_ADAPTER_FILE))
+
+    tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"))
+    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
+    model = setup_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
+                                device=torch.device("cpu"), dtype=torch.float32, seed=1234,
+                                tokenizer=tok)  # fmt: skip
+    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
+    q = model.layers[0].attn.q_proj
+    assert module_outliers(q) is not None
+    merged = load_file(epoch / "model.safetensors")
+    torch.testing.assert_close(merged["model.decoder.layers.0.self_attn.q_proj.weight"],
+                               q.merged_weight(torch.float32), rtol=0, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_adapter_only_checkpoint_merges_into_the_rebuilt_corrected_base(run, tmp_path):
+    from squash.merge import load_checkpoint_model
+    from squash.models.opt import OPTCheckpointer
+    from squash.training import checkpoint as ckpt
+    from squash.training.model_setup import setup_adapter_model
+
+    keys = [k.replace("=sensitivity", "=magnitude") for k in KEYS]
+    run(tmp_path, *keys, "save_adapter_weights_only=True")
+    epoch = tmp_path / "epoch_0"
+    weights = load_checkpoint_model(epoch).weights  # squash export's and squash chat's merge
+    block = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
+    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
+    model = setup_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
+                                device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
+    want = model.layers[1].mlp.w2.merged_weight(torch.float32)  # fc2: dequant + S + B A
+    torch.testing.assert_close(weights["model.decoder.layers.1.fc2.weight"], want, rtol=0,
+                               atol=1e-6)  # fmt: skip
