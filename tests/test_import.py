@@ -89,3 +89,59 @@ def test_layers_point_down():
     for path in (REPO / "squash" / "ops").rglob("*.py"):
         bad = {n for n in _imports(path) if n.startswith("squash.nf4")}
         assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def _module_graph():
+    """``{module: squash modules it imports}`` over every file under ``squash/``, imports inside
+    functions included; ``from squash.x import y`` counts ``squash.x.y`` where that is a module.
+    A module's own parent packages are left out: Python imports them first whatever the
+    module says."""
+    import ast
+
+    files = {}
+    for path in (REPO / "squash").rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.update(m for m in [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                           if m in files)  # fmt: skip
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in files)
+        graph[name] = {m for m in out if not name.startswith(m + ".") and m != name}
+    return graph
+
+
+def test_no_import_circle():
+    """No squash module reaches itself through the modules it imports (at any depth, function
+    bodies included): the strongly connected components of the import graph are single
+    modules."""
+    graph = _module_graph()
+    assert graph["squash.training.run_dir"] >= {"squash.training.manifest"}  # the graph is real
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert circles == []

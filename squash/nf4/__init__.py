@@ -24,7 +24,7 @@ _LAZY = {
     "check_nf4_shape": "quantize",
     "nf4_block_sizes": "quantize",
     "nf4_bytes": "quantize",
-    "quantize_base_": "quantize",
+    "quantize_base_": "modules",
     "quantize_nf4": "quantize",
     "CRITERIA": "outliers",
     "NF4WithOutliers": "outliers",

@@ -24,7 +24,6 @@ __all__ = [
     "linear_nf4",
     "nf4_block_sizes",
     "nf4_bytes",
-    "quantize_base_",
     "quantize_nf4",
     "to_nf4",
 ]
@@ -136,61 +135,3 @@ def nf4_bytes(weight: NF4Tensor) -> int:
     factors, the scaler mean and the 16-entry code book (each at its own dtype)."""
     names = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
     return sum(getattr(weight, n).numel() * getattr(weight, n).element_size() for n in names)
-
-
-@torch.no_grad()
-def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
-    """Quantize, in place, the frozen base linears of a torchtune model's ``layers`` to NF4,
-    with block sizes chosen per weight (:func:`nf4_block_sizes`).
-
-    What torchtune's QLoRA builders (``quantize_base=True``) quantize, for models whose shapes
-    torchtune's default block sizes refuse: build the model with ``quantize_base=False``, then call
-    this. The base of each ``LoRALinear`` becomes an NF4 parameter and the module an
-    :class:`~squash.nf4.NF4LoRALinear` (torchtune's QLoRA ``LoRALinear`` computed with squash's
-    NF4 kernel, equal bit for bit); each plain ``nn.Linear`` (a projection left without an
-    adapter) becomes an :class:`~squash.nf4.NF4Linear` (torchtune's ``FrozenNF4Linear``, the
-    same way) holding its weight. The adapter factors, embeddings and output projection are left
-    as they are.
-
-    Args:
-        model (torch.nn.Module): a torchtune ``TransformerDecoder`` (anything with ``layers``).
-
-    Returns:
-        torch.nn.Module: ``model``.
-
-    Raises:
-        ValueError: naming the module whose shape no block size divides, or a biased linear.
-    """
-    from torchtune.modules.low_precision import FrozenNF4Linear
-
-    # here, not at the top: squash.nf4.modules imports the outliers, which import this module
-    from squash.nf4.modules import is_plain_lora, use_squash_nf4_
-
-    install_torchao_extensions()
-    for layer_name, layer in model.layers.named_modules(prefix="layers"):
-        if hasattr(layer, "adapter_params"):  # an adapter's factors stay as they are
-            continue
-        for child_name, child in list(layer.named_children()):
-            name = f"{layer_name}.{child_name}"
-            if is_plain_lora(child):
-                if not child._quantize_base:
-                    child.weight = torch.nn.Parameter(
-                        quantize_nf4(child.weight.detach(), name), requires_grad=False
-                    )
-                    child._quantize_base = True
-            elif type(child) is torch.nn.Linear:
-                if child.bias is not None:
-                    raise ValueError(f"{name}: FrozenNF4Linear takes no bias")
-                block, scaler = nf4_block_sizes(name, tuple(child.weight.shape))
-                frozen = FrozenNF4Linear(
-                    child.in_features,
-                    child.out_features,
-                    bias=False,
-                    dtype=child.weight.dtype,
-                    device=child.weight.device,
-                    block_size=block,
-                    scaler_block_size=scaler,
-                )
-                frozen.weight.copy_(child.weight)  # torchao re-quantizes with the same sizes
-                setattr(layer, child_name, frozen)
-    return use_squash_nf4_(model)

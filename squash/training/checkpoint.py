@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from squash._io import atomic_directory, clean_stale_temporaries  # noqa: F401  (also here)
-from squash.training import manifest
+from squash.training import manifest, run_dir
 
 if TYPE_CHECKING:
     from squash.training.exports import Exports
@@ -106,7 +106,8 @@ def write_checkpoint(
         )
         torch.save(recipe_state, work / RECIPE_STATE_FILE)
         meta = {"epoch": epoch, "global_step": global_step}
-        manifest.write_meta(work, meta, recipe_state, output_dir)  # hashes: written last
+        # hashes: written last
+        manifest.write_meta(work, meta, recipe_state, run_dir.read_lock(output_dir))
     return output_dir / name
 
 

@@ -75,7 +75,10 @@ def _self_hash(meta: Dict[str, Any]) -> str:
 
 
 def write_meta(
-    path: Path, meta: Dict[str, Any], recipe_state: Dict[str, Any], output_dir: Path
+    path: Path,
+    meta: Dict[str, Any],
+    recipe_state: Dict[str, Any],
+    lock: Optional[Dict[str, Any]],
 ) -> Dict[str, Any]:
     """Write ``path/checkpoint.json``: ``meta`` plus counters, file hashes, the run's config and
     the hash of it all (see the module docstring). Call it after every other file is written.
@@ -84,14 +87,14 @@ def write_meta(
         path (Path): the (temporary) checkpoint directory.
         meta (Dict[str, Any]): ``epoch`` and ``global_step``.
         recipe_state (Dict[str, Any]): what ``recipe_state.pt`` holds; its counters are copied.
-        output_dir (Path): the run's output directory, whose lock names the run's config.
+        lock (Optional[Dict[str, Any]]): the record of the run's lock
+            (:func:`squash.training.run_dir.read_lock` of its output directory), which names the
+            run's config, base and inputs; copied only if this process holds the lock.
 
     Returns:
         Dict[str, Any]: what was written.
     """
-    from squash.training.run_dir import read_lock
-
-    lock = read_lock(output_dir) or {}
+    lock = lock or {}
     full = {
         **meta,
         "format": FORMAT,

@@ -100,7 +100,7 @@ def _adapter_checkpoint(tmp_path: Path, cfg=MODEL_CFG) -> Path:
     save_file(squash_adapter(model.state_dict()), out / ckpt.SQUASH_ADAPTER_FILE)
     (out / ckpt.SQUASH_ADAPTER_CONFIG_FILE).write_text(json.dumps({"model": cfg}))
     # written outside a run: no base recorded (as in older checkpoints), so --base is needed
-    manifest.write_meta(out, {"epoch": 0, "global_step": 0}, {}, tmp_path)
+    manifest.write_meta(out, {"epoch": 0, "global_step": 0}, {}, None)
     return out
 
 
