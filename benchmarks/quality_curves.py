@@ -582,6 +582,13 @@ def _t(w: dict) -> str:
     return "n/a" if math.isnan(w["t"]) else f"{w['t']:+.2f} ({w['df']:.1f}, p={w['p']:.3g})"
 
 
+def best_point(rec: dict) -> dict:
+    """The point of a run with the lowest validation loss after step 0 (the earliest of equals):
+    what early stopping on validation would keep."""
+    trained = [p for p in rec["points"] if p["step"] > 0] or rec["points"]
+    return min(trained, key=lambda p: (p["val"]["loss"], p["step"]))
+
+
 def task_report(task: str, records: list, size: dict) -> tuple:
     """The markdown of one task and the data of its plot."""
     g = rows(records, size["steps"])
@@ -614,6 +621,24 @@ def task_report(task: str, records: list, size: dict) -> tuple:
         lines.append(f"| {arm['name']} | {frac:g} | {arm['vs_qlora_r16']:.2f}x | {cells} | "
                      f"{row['best']:.0e} | {len(row['seeds'])} | {_pm(loss)} | {_pm(em)} | {tl} | "
                      f"{te} |")  # fmt: skip
+    lines += ["", "At each seed's best validation point (the step of its lowest validation loss, "
+              "as early stopping would keep; same statistics):", "",
+              "| arm | data | seeds | steps kept | test loss | test exact match | t (loss) | "
+              "t (exact match) |", "|---|---:|---:|---|---:|---:|---|---|"]  # fmt: skip
+    for (key, frac), row in sorted(g.items(), key=lambda kv: (kv[0][1] != 1.0, order.index(kv[0][0]))):
+        kept = [best_point(r) for r in row["seeds"]]
+        loss = [p["test"]["loss"] for p in kept]
+        em = [p["test"]["exact_match"] for p in kept]
+        ref = g.get(("qlora_r16", frac))
+        if ref is not None and key != "qlora_r16":
+            ref_kept = [best_point(r) for r in ref["seeds"]]
+            tl = _t(welch(loss, [p["test"]["loss"] for p in ref_kept]))
+            te = _t(welch(em, [p["test"]["exact_match"] for p in ref_kept]))
+        else:
+            tl = te = ""
+        lines.append(f"| {row['seeds'][0]['arm']['name']} | {frac:g} | {len(kept)} | "
+                     f"{', '.join(str(p['step']) for p in kept)} | {_pm(loss)} | {_pm(em)} | "
+                     f"{tl} | {te} |")  # fmt: skip
     steps = curve(next(iter(g.values()))["seeds"], "test", "loss")[0]
     lines += ["", "Test loss (exact match) against step, mean over seeds, full data:", "",
               "| arm | " + " | ".join(str(s) for s in steps) + " |",

@@ -198,6 +198,32 @@ def test_report_numbers_from_per_seed_values(tmp_path):
     assert sq["best"] == 3e-3
 
 
+def test_report_at_each_seeds_best_validation_point():
+    """The early-stopping table keeps, per seed, the point of lowest validation loss after step 0
+    (the earliest of equals) and compares those test values with Welch's t (scipy)."""
+
+    def rec(arm, seed, vals, tests):
+        r = record(arm, 3e-3, seed, 0.0)
+        r["points"] = [{"step": 50 * i, "val": {"loss": v, "exact_match": 0.0},
+                        "test": {"loss": t, "exact_match": 0.1 * i}}
+                       for i, (v, t) in enumerate(zip(vals, tests))]  # fmt: skip
+        return r
+
+    q = [rec("qlora_r16", 0, [3.0, 1.0, 2.0, 2.0, 2.0], [3.0, 1.5, 1.7, 1.8, 1.9]),
+         rec("qlora_r16", 1, [3.0, 2.0, 1.0, 1.0, 2.0], [3.0, 1.6, 1.45, 1.2, 1.9])]
+    sq = [rec("squash", 0, [0.5, 2.0, 2.0, 2.0, 1.0], [1.0, 1.5, 1.7, 1.8, 1.4]),
+          rec("squash", 1, [3.0, 2.0, 2.0, 0.9, 0.95], [3.0, 1.6, 1.45, 1.3, 1.2])]
+    assert [qc.best_point(r)["step"] for r in q + sq] == [50, 100, 200, 150]  # step 0 never kept
+    text, _ = qc.task_report("unicode", q + sq, dict(qc.FULL))
+    i = text.index(next(line for line in text if line.startswith("At each seed's best")))
+    row = next(line for line in text[i:] if line.startswith("| squash r=143"))
+    assert "| 200, 150 |" in row and f"{statistics.fmean([1.4, 1.3]):.3f} +/- " in row
+    ref = stats.ttest_ind([1.4, 1.3], [1.5, 1.45], equal_var=False)
+    assert f"{ref.statistic:+.2f}" in row and f"p={ref.pvalue:.3g}" in row
+    qrow = next(line for line in text[i:] if line.startswith("| QLoRA r=16 |"))
+    assert "| 50, 100 |" in qrow
+
+
 def test_report_writes_a_png_per_task_and_copies_it_to_png_dir(tmp_path):
     """``report --png-dir DIR``: the PNG beside the results, and the same bytes as
     ``DIR/quality_curves_<task>.png`` (where the README shows it)."""
