@@ -95,3 +95,39 @@ def test_no_recorded_tokenizer_or_file_is_refused_with_what_to_do(base, tmp_path
     with pytest.raises(ValueError, match=r"tokenizer.vocab_path .* is not a file the run "
                                          r"recorded nor its verified base directory"):
         checkpoint_tokenizer(tmp_path / "ckpt", meta, base)
+
+
+def _smollm2_meta(base, path, inputs):
+    block = {"_component_": "squash.models.smollm2.smollm2_tokenizer", "path": str(path),
+             "max_seq_len": 96}  # fmt: skip
+    return {"config": {"tokenizer": block}, "base": manifest.directory_record(base),
+            "inputs": inputs}
+
+
+@pytest.mark.smollm2
+def test_smollm2s_tokenizer_comes_from_the_verified_base_only(smollm2_checkpoint, tmp_path):
+    from squash.models.smollm2 import smollm2_tokenizer
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_checkpoint / name, base / name)
+    want = _ids(smollm2_tokenizer(str(smollm2_checkpoint)))
+    ckpt = tmp_path / "ckpt"
+    by_dir = _smollm2_meta(base, base, {})  # the run named the directory (no file recorded)
+    by_file = _smollm2_meta(base, base / "tokenizer.json",
+                            {"tokenizer.path": _record(base / "tokenizer.json")})  # fmt: skip
+    moved = tmp_path / "moved"
+    shutil.move(base, moved)
+    assert _ids(checkpoint_tokenizer(ckpt, by_dir, moved)) == want
+    assert _ids(checkpoint_tokenizer(ckpt, by_file, moved)) == want
+    other = tmp_path / "other"  # a directory that is not the base
+    shutil.copytree(moved, other)
+    with pytest.raises(ValueError, match=r"tokenizer.path .*other is not a file the run recorded"):
+        checkpoint_tokenizer(ckpt, _smollm2_meta(moved, other, {}), moved)
+    # a tokenizer.json outside the base: its tokenizer_config.json beside it is not verified
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    outside = {"tokenizer.path": _record(other / "tokenizer.json")}
+    with pytest.raises(ValueError, match=r"tokenizer.path: no file with the sha256 the run "
+                                         r"recorded for .* in the verified base [^ ]*; "):
+        checkpoint_tokenizer(ckpt, _smollm2_meta(moved, other / "tokenizer.json", outside), moved)
