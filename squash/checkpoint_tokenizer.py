@@ -56,7 +56,7 @@ def checkpoint_tokenizer(checkpoint_dir: Path, meta: Dict[str, Any], base_dir: P
             verified), and what to do instead. Nothing is built or read before the checks.
     """
     where = Path(checkpoint_dir) / manifest.META_FILE
-    block = (meta.get("config") or {}).get("tokenizer")
+    block = _mapping(meta.get("config")).get("tokenizer")
     if not isinstance(block, dict):
         raise ValueError(f"{where}: records no tokenizer block (written outside a run?), and "
                          f"the calibration needs the run's tokenizer; {_ADVICE}")  # fmt: skip
@@ -86,9 +86,9 @@ def _verified_file(
     key: str, value: str, meta: Dict[str, Any], base_dir: Path, outside: bool, where: Path
 ) -> Path:
     """Where the verified copy of the file (or base directory) ``value`` the run read is."""
-    base = meta.get("base") or {}
-    base_files = base.get("files") if isinstance(base.get("files"), dict) else {}
-    recorded = (meta.get("inputs") or {}).get(f"tokenizer.{key}")
+    base, inputs = _mapping(meta.get("base")), _mapping(meta.get("inputs"))
+    base_files = _mapping(base.get("files"))
+    recorded = inputs.get(f"tokenizer.{key}")
     if not isinstance(recorded, dict):  # a directory (not recorded as an input): the base's
         if base_files and isinstance(base.get("path"), str) and _same(value, base["path"]):
             return base_dir
@@ -96,15 +96,19 @@ def _verified_file(
                          f"its verified base directory; {_ADVICE}")  # fmt: skip
     sha, size = recorded.get("sha256"), recorded.get("size")
     for name, info in sorted(base_files.items()):
-        if info.get("sha256") == sha and info.get("size") == size:
+        if isinstance(info, dict) and info.get("sha256") == sha and info.get("size") == size:
             if _matches(base_dir / name, sha, size):  # checked again where it is read
                 return base_dir / name
     path = Path(str(recorded.get("path", "")))
-    if outside and path.is_file() and _matches(path, sha, size):
+    if outside and _matches(path, sha, size):
         return path
     raise ValueError(f"{where}: tokenizer.{key}: no file with the sha256 the run recorded "
                      f"for {value} in the verified base {base_dir}"
                      f"{' nor at that path' if outside else ''}; {_ADVICE}")  # fmt: skip
+
+
+def _mapping(value: Any) -> Dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _same(a: str, b: str) -> bool:
@@ -115,4 +119,4 @@ def _same(a: str, b: str) -> bool:
 
 
 def _matches(path: Path, sha: Optional[str], size: Optional[int]) -> bool:
-    return path.stat().st_size == size and manifest.file_sha256(path) == sha
+    return path.is_file() and path.stat().st_size == size and manifest.file_sha256(path) == sha
