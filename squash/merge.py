@@ -154,11 +154,14 @@ def merge_adapter(
     """``config.json`` of ``base_dir`` and the merged weights (Hugging Face keys, float32) of the
     squash adapter of ``checkpoint_dir`` on that base: the weights the recipe would have written
     with ``save_adapter_weights_only: False``, in the dtype the run trained in, then float32.
+    A ``model.base_outliers`` base with ``criterion: sensitivity`` is calibrated with the run's
+    tokenizer, rebuilt from verified files by an allow-listed builder only
+    (:func:`squash.checkpoint_tokenizer.checkpoint_tokenizer`).
 
     Raises:
         FileNotFoundError: a missing adapter, adapter config or base weights.
-        ValueError: a model block naming other code than a model builder, or weights that do not
-            fit it.
+        ValueError: a model block naming other code than a model builder (or a tokenizer block
+            other code than a tokenizer builder), or weights that do not fit it.
     """
     from squash.training.config_checks import ConfigKeyError
     from squash.training.exports import adapter_layout, merged_weights
@@ -182,11 +185,18 @@ def merge_adapter(
             f"{checkpoint_dir / manifest.META_FILE}: counters.seed must be an integer >= 0, "
             f"got {seed!r}"
         )
+    tokenizer = None
+    outliers = model_cfg.get("base_outliers")
+    if outliers is not None and outliers.get("criterion", "sensitivity") == "sensitivity":
+        from squash.checkpoint_tokenizer import checkpoint_tokenizer
+
+        tokenizer = checkpoint_tokenizer(checkpoint_dir, meta, base_dir)  # the calibration's
     config, base = base_state_dict(base_dir)
     try:
         model = setup_adapter_model(
-            model_cfg, base, device=torch.device("cpu"), dtype=dtype, seed=seed
-        )
+            model_cfg, base, device=torch.device("cpu"), dtype=dtype, seed=seed,
+            tokenizer=tokenizer,
+        )  # fmt: skip
     except ConfigKeyError as e:  # a value the model's builder refuses
         raise ValueError(f"{cfg_path}: {e}") from None
     del base

@@ -6,7 +6,8 @@ dtype (bf16 params, bf16 moments; ``moment_dtype`` overrides it for optimizers t
 moments), plus ``max_exp_avg_sq`` with ``amsgrad``, plus a float32 scalar ``step`` per parameter
 tensor. The frozen base (NF4 or dense) is counted apart, by :func:`base_memory` (an NF4 weight at
 its real size: packed 4-bit codes, int8 block scalers, per-scaler-block factors, whatever block
-sizes it was quantized with); activations and the allocator's slack are not counted.
+sizes it was quantized with; a corrected base's outliers ``S``, :func:`outlier_memory`);
+activations and the allocator's slack are not counted.
 
 ``mask_update_bytes`` is the extra, transient memory of a mask-update step: the dense-gradient
 probe of every FFI factor and its gradient, ``2 * out * in`` elements in the parameter dtype
@@ -18,7 +19,7 @@ computes the same numbers from layer shapes, so large models need not be built.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ from torchtune.modules.peft import get_adapter_params
 from squash._checks import SPARSE_FACTORS, check_choice, check_int, check_sparsity
 from squash.modules import FFILinear, get_adapter_buffers, get_adapter_modules
 from squash.nf4 import NF4Tensor, nf4_bytes
+from squash.nf4.base_outliers import module_outliers, outlier_modules
+from squash.nf4.outliers import outlier_fan_in
 from squash.sparsity.ffi import fan_in_for, index_dtype
 
 STEP_BYTES = 4  # AdamW's float32 scalar ``step`` per parameter tensor
@@ -275,6 +278,8 @@ def base_memory(model: nn.Module) -> int:
     ``(576, 576)`` float32 weight with block sizes (64, 216), 165888 bytes of codes + 5184 int8
     scalers + 24 float32 factors + the mean + the 16-entry code book), a dense tensor
     ``numel * element_size``; a tensor that two modules share (tied embeddings) counts once.
+    A corrected base (``model.base_outliers``) counts its outlier matrix ``S`` too, values and
+    indices (:func:`outlier_memory`), also before ``S`` is built (a model not yet loaded).
 
     Args:
         model (nn.Module): the model.
@@ -292,4 +297,26 @@ def base_memory(model: nn.Module) -> int:
             continue
         seen.add(id(t))
         total += nf4_bytes(t) if isinstance(t, NF4Tensor) else t.numel() * t.element_size()
-    return total
+    # an S not built yet (it is filled on load) has no buffers to count: its bytes from shapes
+    built = {n for n, m in outlier_modules(model).items() if module_outliers(m) is not None}
+    return total + sum(b for n, b in outlier_memory(model).items() if n not in built)
+
+
+def outlier_memory(model: nn.Module) -> Dict[str, int]:
+    """``{module name: bytes}`` of the outlier matrix ``S`` of each corrected base of ``model``
+    (``model.base_outliers``): its values and indices as the module holds them once loaded, or,
+    before that, as it will (``(out, k)`` bfloat16 values and int16/int32 indices,
+    ``k = round(fraction * in_features)``, :func:`squash.nf4.outliers.outlier_fan_in`).
+    Empty for a plain NF4 model.
+    """
+    sizes = {}
+    for name, module in outlier_modules(model).items():
+        out = module_outliers(module)
+        if out is not None:
+            sizes[name] = sum(t.numel() * t.element_size() for t in out)
+            continue
+        rows, width = module.weight.shape
+        k = outlier_fan_in(width, module.base_outliers["fraction"])
+        per = _element_size(torch.bfloat16) + _element_size(index_dtype(width))
+        sizes[name] = rows * k * per
+    return sizes

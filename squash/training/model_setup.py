@@ -23,6 +23,7 @@ from squash.training.config_checks import ConfigKeyError
 from squash.training.distributed import load_full_state_dict
 from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.training.mask_schedule import MaskUpdateSchedule
+from squash.training.memory import base_memory, outlier_memory
 
 log = utils.get_logger("INFO")
 
@@ -239,9 +240,19 @@ def assemble_adapter_model(
     if _rank_zero():
         log.info(
             f"Model {cfg_model._component_}: {len(adapters)} adapters, {n_train:,} trainable "
-            f"parameters, {dtype}, on {device}"
+            f"parameters, {dtype}, on {device}{_outliers_summary(model)}"
         )
     return AdapterModel(model, svd_init)
+
+
+def _outliers_summary(model: nn.Module) -> str:
+    """``", frozen base B bytes, S of them the FFI outliers of N bases"`` for a corrected base
+    (``model.base_outliers``), else empty."""
+    sizes = outlier_memory(model)
+    if not sizes:
+        return ""
+    return (f", frozen base {base_memory(model):,} bytes, {sum(sizes.values()):,} of them the "
+            f"FFI outliers S of {len(sizes)} bases")  # fmt: skip
 
 
 def _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype, shard):

@@ -67,3 +67,42 @@ def test_an_adapter_only_checkpoint_merges_into_the_rebuilt_corrected_base(run, 
     want = model.layers[1].mlp.w2.merged_weight(torch.float32)  # fc2: dequant + S + B A
     torch.testing.assert_close(weights["model.decoder.layers.1.fc2.weight"], want, rtol=0,
                                atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_uninterrupted_losses_and_adapter(run, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import QUICK, TINY_CONFIG, TUNE
+
+    keys = ["epochs=2", "max_steps_per_epoch=3", "save_every_n_steps=2", "keep_last_n=5",
+            "model.base_outliers.fraction=0.02", "model.base_outliers.criterion=magnitude",
+            "mask_update.every_n_steps=2", "mask_update.until_step=6"]  # fmt: skip
+    run(tmp_path / "whole", *keys)
+    whole = logged(tmp_path / "whole")
+    assert sorted(whole) == list(range(1, 7))
+
+    out = tmp_path / "killed"
+    cmd = [TUNE, "run", "squash_finetune", "--config", str(TINY_CONFIG), f"output_dir={out}",
+           *QUICK, *keys]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "step_2" / "checkpoint.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before step 2"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "epoch_1").exists()  # killed, not finished
+    run(out, *keys, "resume_from_checkpoint=True")
+    last = max((out / "logs").glob("log_*.txt"), key=os.path.getmtime)
+    steps = [int(line.split()[1]) for line in last.read_text().splitlines()
+             if line.startswith("Step ")]  # fmt: skip
+    assert steps and min(steps) >= 3 and max(steps) == 6  # what the resumed run trained
+    assert logged(out) == whole  # every step's loss, exactly
+
+    for name in ("squash_adapter.safetensors", "model.safetensors"):  # adapter; dequant + S + BA
+        a, b = (load_file(d / "epoch_1" / name) for d in (tmp_path / "whole", out))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
