@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
+from tqdm import tqdm
 
 from squash.training.config_checks import (  # noqa: F401  (parse_heldout: heldout.* as before)
     HELDOUT_KEYS,
@@ -217,7 +218,9 @@ class HeldoutEvaluator:
             res["answer"] = self.answer(model, self._s["prompt_index"])
             n = min(self._s["exact_match_samples"], len(self.samples))
             if n:
-                res["exact_match"] = sum(self.answer(model, i) == self.expected(i) for i in range(n))
+                # greedy answers take seconds each on a CPU: a progress bar where there are many
+                bar = tqdm(range(n), desc="held-out exact match", leave=False, disable=n < 32)
+                res["exact_match"] = sum(self.answer(model, i) == self.expected(i) for i in bar)
                 res["exact_match_of"] = n
         finally:
             model.train(was_training)
