@@ -211,14 +211,14 @@ def shared_teacher(teacher):
 
     original = squash_distill.setup_frozen_model
 
-    def setup(cfg_model, state_dict, *, device, dtype, where="model"):
+    def setup(cfg_model, state_dict, *, device, dtype, where="model", **kwargs):
         if where.startswith("teacher"):
             p = next(teacher.parameters())
             if p.dtype != dtype or p.device.type != torch.device(device).type:
                 raise ValueError(f"the shared teacher is {p.dtype} on {p.device}, the run wants "
                                  f"{dtype} on {device}")  # fmt: skip
             return teacher
-        return original(cfg_model, state_dict, device=device, dtype=dtype, where=where)
+        return original(cfg_model, state_dict, device=device, dtype=dtype, where=where, **kwargs)
 
     squash_distill.setup_frozen_model = setup
     try:

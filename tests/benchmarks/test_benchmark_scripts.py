@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end on this machine: the GPU check takes its CPU path when no
 GPU is present, and the kernel table's columns agree with each other (no timing is asserted)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +21,8 @@ def test_gpu_check_without_gpu_checks_cpu_path_and_exits_3():
     run = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--no-timing"],
         capture_output=True, text=True, timeout=600, check=False,
+        # the script runs `python`: the interpreter running these tests, activated or not
+        env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"),
     )
     out = run.stdout + run.stderr
     assert run.returncode == 3, out[-3000:]
