@@ -589,6 +589,21 @@ def best_point(rec: dict) -> dict:
     return min(trained, key=lambda p: (p["val"]["loss"], p["step"]))
 
 
+def _test_cells(g: dict, key: str, frac: float, pick) -> tuple:
+    """``(test losses, exact matches, t of the loss, t of the exact match)`` of an arm's seeds at
+    the point ``pick(record)`` chooses; each t against QLoRA r=16 on the same data ("" for QLoRA
+    itself or where it has no row)."""
+    def values(row, metric):
+        return [pick(r)["test"][metric] for r in row["seeds"]]
+
+    row, ref = g[(key, frac)], g.get(("qlora_r16", frac))
+    loss, em = values(row, "loss"), values(row, "exact_match")
+    if ref is None or key == "qlora_r16":
+        return loss, em, "", ""
+    return (loss, em, _t(welch(loss, values(ref, "loss"))),
+            _t(welch(em, values(ref, "exact_match"))))
+
+
 def task_report(task: str, records: list, size: dict) -> tuple:
     """The markdown of one task and the data of its plot."""
     g = rows(records, size["steps"])
@@ -610,14 +625,7 @@ def task_report(task: str, records: list, size: dict) -> tuple:
             (f"**{lr:.0e}: {final(r)['val']['loss']:.3f}**" if lr == row["best"] else
              f"{lr:.0e}: {final(r)['val']['loss']:.3f}") for lr, r in sorted(row["sweep"].items())
         ) if len(row["sweep"]) > 1 else "(fixed)"  # fmt: skip
-        loss = [final(r)["test"]["loss"] for r in row["seeds"]]
-        em = [final(r)["test"]["exact_match"] for r in row["seeds"]]
-        ref = g.get(("qlora_r16", frac))
-        if ref is not None and key != "qlora_r16":
-            tl = _t(welch(loss, [final(r)["test"]["loss"] for r in ref["seeds"]]))
-            te = _t(welch(em, [final(r)["test"]["exact_match"] for r in ref["seeds"]]))
-        else:
-            tl = te = ""
+        loss, em, tl, te = _test_cells(g, key, frac, final)
         lines.append(f"| {arm['name']} | {frac:g} | {arm['vs_qlora_r16']:.2f}x | {cells} | "
                      f"{row['best']:.0e} | {len(row['seeds'])} | {_pm(loss)} | {_pm(em)} | {tl} | "
                      f"{te} |")  # fmt: skip
@@ -627,15 +635,7 @@ def task_report(task: str, records: list, size: dict) -> tuple:
               "t (exact match) |", "|---|---:|---:|---|---:|---:|---|---|"]  # fmt: skip
     for (key, frac), row in sorted(g.items(), key=lambda kv: (kv[0][1] != 1.0, order.index(kv[0][0]))):
         kept = [best_point(r) for r in row["seeds"]]
-        loss = [p["test"]["loss"] for p in kept]
-        em = [p["test"]["exact_match"] for p in kept]
-        ref = g.get(("qlora_r16", frac))
-        if ref is not None and key != "qlora_r16":
-            ref_kept = [best_point(r) for r in ref["seeds"]]
-            tl = _t(welch(loss, [p["test"]["loss"] for p in ref_kept]))
-            te = _t(welch(em, [p["test"]["exact_match"] for p in ref_kept]))
-        else:
-            tl = te = ""
+        loss, em, tl, te = _test_cells(g, key, frac, best_point)
         lines.append(f"| {row['seeds'][0]['arm']['name']} | {frac:g} | {len(kept)} | "
                      f"{', '.join(str(p['step']) for p in kept)} | {_pm(loss)} | {_pm(em)} | "
                      f"{tl} | {te} |")  # fmt: skip
