@@ -7,7 +7,7 @@ each an :class:`~squash.modules.FFILinear` or a bias-free ``nn.Linear``, as buil
 """
 
 import math
-from typing import List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -268,19 +268,14 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
     # ---- SVD initialisation -------------------------------------------------------------------
     @torch.no_grad()
     def initialize_from_pretrained(self, weight: torch.Tensor) -> None:
-        """Principal-component initialisation from a pretrained weight; the residual is the base.
-
-        With ``W = U S V^T`` and ``s = scaling``: ``B = U_r sqrt(S_r) / sqrt(s)`` and
-        ``A = sqrt(S_r) V_r^T / sqrt(s)``, so ``s * B @ A`` is the best rank-``r`` approximation of
-        ``W``. The sparse factor is pruned to FFI by magnitude; when the other factor is dense it
-        is refitted by least squares to the pruned one (``min ||W - s * B @ A_ffi||``), which only
-        lowers the residual. The base becomes ``W - s * B_dense @ A_dense`` (re-quantized to NF4
-        when ``quantize_base``; the bias is kept), so the module's output equals ``x W^T`` up to
-        the base's quantization error, which is smaller than that of ``NF4(W)`` when ``W`` has a
-        decaying spectrum. Computed in float64 and rounded once to the factors' and the base's
-        dtypes, so two processes with different thread counts or ISAs land on the same float32
-        values (and the same NF4 codes) as a resume and an export recompute them; a full SVD, so
-        it costs what one SVD of ``W`` does.
+        """Principal-component initialisation from a pretrained weight, in place: the factors
+        of :func:`svd_factors`, and the base becomes its residual ``W - s * B_dense @ A_dense``
+        (re-quantized to NF4 when ``quantize_base``; the bias is kept), so the module's output
+        equals ``x W^T`` up to the base's quantization error, which is smaller than that of
+        ``NF4(W)`` when ``W`` has a decaying spectrum. Computed in float64 and rounded once to the
+        factors' and the base's dtypes, so two processes with different thread counts or ISAs
+        land on the same float32 values (and the same NF4 codes) as a resume and an export
+        recompute them.
 
         Args:
             weight (torch.Tensor): dense ``(out_dim, in_dim)`` pretrained weight (or an NF4 tensor,
@@ -299,27 +294,13 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
                 f"pretrained weight shape {tuple(weight.shape)} != (out_dim, in_dim) = "
                 f"{(self.out_dim, self.in_dim)}"
             )
-        if self.rank > min(self.in_dim, self.out_dim):
-            raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={self.rank}")
-        device = _trainable(self.lora_a).device
-        w = _dequantize(weight).to(device=device, dtype=torch.float64)  # (out, in)
-        u, s, vh = torch.linalg.svd(w, full_matrices=False)
-        root = s[: self.rank].sqrt() / math.sqrt(self.scaling)
-        b = u[:, : self.rank] * root  # (out, r)
-        a = root[:, None] * vh[: self.rank]  # (r, in)
-        sparse_a, sparse_b = SPARSE_FACTORS[self.sparse_factor]
-        if sparse_a:
-            a = _set_ffi(self.lora_a, a)
-        if sparse_b:
-            b = _set_ffi(self.lora_b, b)
-        if sparse_a and not sparse_b:  # refit B to the pruned A: (A^T) X = W^T, B = X^T / s
-            b = torch.linalg.lstsq(a.T, w.T).solution.T / self.scaling
-        elif sparse_b and not sparse_a:  # refit A to the pruned B: B X = W, A = X / s
-            a = torch.linalg.lstsq(b, w).solution / self.scaling
-        for factor, dense in ((self.lora_a, a), (self.lora_b, b)):
-            if not isinstance(factor, FFILinear):
-                factor.weight.copy_(dense)
-        residual = w - self.scaling * (b @ a)  # (out, in)
+        state, residual = svd_factors(
+            _dequantize(weight).to(_trainable(self.lora_a).device), rank=self.rank,
+            scaling=self.scaling, sparse_factor=self.sparse_factor, sparsity=self.sparsity,
+        )  # fmt: skip
+        for key, value in state.items():
+            factor, name = key.split(".")
+            getattr(getattr(self, factor), name).copy_(value)
         self.weight.copy_(residual.float().to(self.weight.dtype))  # NF4: quantizes in place
 
     # ---- forward and export -------------------------------------------------------------------
@@ -424,6 +405,62 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         return new.train(lora.training)
 
 
+@torch.no_grad()
+def svd_factors(
+    weight: torch.Tensor, *, rank: int, scaling: float, sparse_factor: str, sparsity: float
+) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    """The SVD initialisation of one adapter (``init: svd``), the one place it is computed.
+
+    With ``W = U S V^T`` and ``s = scaling``: ``B = U_r sqrt(S_r) / sqrt(s)`` and
+    ``A = sqrt(S_r) V_r^T / sqrt(s)``, so ``s * B @ A`` is the best rank-``r`` approximation of
+    ``W``. A sparse factor is pruned to FFI by magnitude (:func:`~squash.sparsity.prune_to_ffi`
+    at the fan-in :func:`lora_factor` gives it); when the other factor is dense it is refitted
+    by least squares to the pruned one (``min ||W - s * B @ A_ffi||``), which only lowers the
+    residual. Computed in float64 on ``weight``'s device.
+
+    Args:
+        weight (torch.Tensor): dense ``(out_dim, in_dim)`` pretrained weight (an NF4 tensor is
+            dequantized first).
+        rank (int): adapter rank, at most ``min(out_dim, in_dim)``.
+        scaling (float): ``alpha / rank``.
+        sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``.
+        sparsity (float): fraction of zeros of each sparse factor.
+
+    Returns:
+        Tuple[Dict[str, torch.Tensor], torch.Tensor]: the factors keyed as the module's state
+        dict (``lora_a.values`` and ``lora_a.indices`` for an FFI factor, ``lora_a.weight`` for
+        a dense one; float64 values, int64 indices) and the float64 residual
+        ``W - s * B_dense @ A_dense`` that becomes the base.
+
+    Raises:
+        ValueError: ``rank > min(out_dim, in_dim)``.
+    """
+    w = _dequantize(weight).to(torch.float64)  # (out, in)
+    out_dim, in_dim = w.shape
+    if rank > min(in_dim, out_dim):
+        raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={rank}")
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    root = s[:rank].sqrt() / math.sqrt(scaling)
+    b = u[:, :rank] * root  # (out, r)
+    a = root[:, None] * vh[:rank]  # (r, in)
+    sparse_a, sparse_b = SPARSE_FACTORS[sparse_factor]
+    state = {}
+    for name, sparse, dense, width in (("lora_a", sparse_a, a, in_dim),
+                                       ("lora_b", sparse_b, b, rank)):  # fmt: skip
+        if sparse:
+            values, indices = prune_to_ffi(dense, fan_in=fan_in_for(width, sparsity))
+            state[f"{name}.values"], state[f"{name}.indices"] = values, indices
+            pruned = torch.zeros_like(dense).scatter_(1, indices.long(), values)
+            a, b = (pruned, b) if name == "lora_a" else (a, pruned)
+    if sparse_a and not sparse_b:  # refit B to the pruned A: (A^T) X = W^T, B = X^T / s
+        b = torch.linalg.lstsq(a.T, w.T).solution.T / scaling
+        state["lora_b.weight"] = b
+    elif sparse_b and not sparse_a:  # refit A to the pruned B: B X = W, A = X / s
+        a = torch.linalg.lstsq(b, w).solution / scaling
+        state["lora_a.weight"] = a
+    return state, w - scaling * (b @ a)
+
+
 def initialize_lora_factors_(
     lora_a: nn.Module, lora_b: nn.Module, generator: Optional[torch.Generator] = None
 ) -> None:
@@ -463,11 +500,3 @@ def _dequantize(weight: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, NF4Tensor):
         return weight.get_original_weight()
     return weight.detach()
-
-
-def _set_ffi(factor: FFILinear, dense: torch.Tensor) -> torch.Tensor:
-    """Prune ``dense`` to ``factor``'s fan-in, store it there, return the pruned dense matrix."""
-    values, indices = prune_to_ffi(dense, fan_in=factor.fan_in)
-    factor.indices.copy_(indices)
-    factor.values.copy_(values)
-    return torch.zeros_like(dense).scatter_(1, indices.long(), values)

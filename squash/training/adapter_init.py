@@ -17,7 +17,7 @@ from torch import nn
 from squash._checks import SPARSE_FACTORS
 from squash.modules import SparseLoRALinear, get_adapter_modules, is_plain_lora, lora_factor
 from squash.modules.ffi_linear import kaiming_uniform_
-from squash.modules.sparse_lora import initialize_lora_factors_
+from squash.modules.sparse_lora import initialize_lora_factors_, svd_factors
 
 
 def module_generator(seed: int, name: str) -> torch.Generator:
@@ -41,22 +41,6 @@ def _fresh_factors(module: SparseLoRALinear) -> Dict[str, nn.Module]:
                               **factory),
     }  # fmt: skip
     return {k: f.to_empty(device="cpu") for k, f in factors.items()}
-
-
-def _fresh_sparse(module: SparseLoRALinear) -> SparseLoRALinear:
-    """An unquantized CPU twin of ``module``'s adapter (the base left on the meta device)."""
-    twin = SparseLoRALinear(
-        module.in_dim,
-        module.out_dim,
-        module.rank,
-        module.alpha,
-        sparsity=module.sparsity,
-        sparse_factor=module.sparse_factor,
-        dtype=_factor_dtype(module),
-        device="meta",
-    )
-    twin.to_empty(device="cpu")
-    return twin
 
 
 def _adapter_tensors(name: str, module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -130,13 +114,13 @@ def svd_initial_state(
         key = f"{name}.weight"
         if not isinstance(module, SparseLoRALinear) or key not in base_state_dict:
             continue
-        twin = _fresh_sparse(module)
-        # the residual rounded once to the base's dtype, as an in-place initialisation rounds it
-        twin.weight = nn.Parameter(
-            torch.empty(module.out_dim, module.in_dim, dtype=module.weight.dtype),
-            requires_grad=False,
-        )
-        twin.initialize_from_pretrained(base_state_dict[key])
-        adapter.update(_adapter_tensors(name, twin))
-        residual[key] = twin.weight.detach()  # quantized where the model loads it
+        state, rest = svd_factors(
+            base_state_dict[key].detach().cpu(), rank=module.rank, scaling=module.scaling,
+            sparse_factor=module.sparse_factor, sparsity=module.sparsity,
+        )  # fmt: skip
+        # each tensor rounded once to the dtype the module holds it in, as an in-place
+        # initialisation rounds it (the residual in the base's dtype: quantized where loaded)
+        held = dict(module.named_parameters(), **dict(module.named_buffers()))
+        adapter.update({f"{name}.{k}": v.to(held[k].dtype) for k, v in state.items()})
+        residual[key] = rest.float().to(module.weight.dtype)
     return adapter, residual
