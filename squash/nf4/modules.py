@@ -10,7 +10,7 @@ parameters, state-dict keys and adapter interface, so torchtune's recipes, check
 utilities take them as their parents. ``SQUASH_NF4=torchao`` switches back to torchao's
 ``linear_nf4``.
 
-:func:`use_squash_nf4_` turns the torchtune modules of a built model into these, in place;
+:func:`use_squash_nf4_` replaces the torchtune modules of a built model by these;
 :func:`quantize_base_` quantizes an unquantized model's frozen base linears into them.
 """
 
@@ -89,26 +89,59 @@ def is_plain_lora(module: nn.Module) -> bool:
 
 
 def use_squash_nf4_(model: nn.Module) -> nn.Module:
-    """Make every torchtune ``LoRALinear`` with an NF4 base an :class:`NF4LoRALinear`, and every
-    ``FrozenNF4Linear`` an :class:`NF4Linear`, in place.
+    """Replace every torchtune ``LoRALinear`` with an NF4 base by an :class:`NF4LoRALinear`, and
+    every ``FrozenNF4Linear`` by an :class:`NF4Linear` (for models built by torchtune's own QLoRA
+    builders; squash's builders build these classes directly).
 
-    Only the class of each module changes (``module.__class__``): the module objects, their
-    parameters, hooks and train/eval mode stay, so references to them (an optimizer's, FSDP's)
-    remain valid. Other modules, subclasses of these included, are left as they are.
+    Each replacement is built on the meta device and takes the old module's parameters,
+    submodules (the adapter factors, dropout), flags, hooks and train/eval mode: the same
+    objects, so loaded weights and references to them (an optimizer's, a hook's handle) stay
+    valid. Other modules, subclasses of these included, are left as they are.
 
     Args:
-        model (nn.Module): any module tree.
+        model (nn.Module): any module tree (``model`` itself may be replaced).
 
     Returns:
-        nn.Module: ``model``.
+        nn.Module: ``model``, or its replacement if it is such a module itself.
     """
     install_torchao_extensions()
-    for module in model.modules():
+    for name, module in list(model.named_modules()):
         if type(module) is LoRALinear and module._quantize_base:
-            module.__class__ = NF4LoRALinear
+            new = _nf4_lora_linear(module)
         elif type(module) is FrozenNF4Linear:
-            module.__class__ = NF4Linear
+            new = _nf4_linear(module)
+        else:
+            continue
+        for key, hooks in vars(module).items():  # the same dicts: hook handles stay valid
+            if key.startswith("_") and "hook" in key and isinstance(hooks, dict):
+                object.__setattr__(new, key, hooks)
+        new.train(module.training)
+        if not name:
+            return new
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
     return model
+
+
+def _nf4_lora_linear(old: LoRALinear) -> NF4LoRALinear:
+    """An :class:`NF4LoRALinear` holding ``old``'s base, factors, dropout and flags."""
+    with torch.device("meta"):  # a dense meta base, replaced below: nothing drawn or quantized
+        new = NF4LoRALinear(old.in_dim, old.out_dim, old.rank, old.alpha, use_bias=old.use_bias)
+    new._quantize_base = True
+    for key in ("weight", "bias", "dropout", "lora_a", "lora_b"):
+        setattr(new, key, getattr(old, key))
+    new.disabled, new.merged = old.disabled, old.merged
+    return new
+
+
+def _nf4_linear(old: FrozenNF4Linear) -> NF4Linear:
+    """An :class:`NF4Linear` holding ``old``'s NF4 weight and bias."""
+    w = old.weight
+    new = NF4Linear(old.in_features, old.out_features, bias=old.bias is not None, device="meta",
+                    dtype=w.dtype, block_size=w.block_size,
+                    scaler_block_size=w.scaler_block_size)  # fmt: skip
+    new.weight, new.bias = old.weight, old.bias
+    return new
 
 
 @torch.no_grad()

@@ -81,11 +81,28 @@ def test_assembly_constructs_each_adapter_once_and_loads_one_state_dict(counted,
                                              dtype=torch.float32, seed=3)  # fmt: skip
     n = len([m for m in model.modules() if isinstance(m, SparseLoRALinear)])
     assert n == 2 * 7
-    # the model's adapters, plus (init: svd) the factoring modules SVD runs on
-    assert calls["SparseLoRALinear"] == (n if init == "lora" else 2 * n)
+    # the model's adapters only: SVD factors full tensors (svd_factors), no module of its own
+    assert calls["SparseLoRALinear"] == n
     assert swaps == []
     assert (svd_init is not None) == (init == "svd")
     assert not any(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())
     tokens = torch.randint(0, TINY["vocab_size"], (2, 8))
     assert torch.isfinite(model(tokens)).all()
+
+
+def test_no_module_of_squash_changes_an_objects_class():
+    """Models are built in their final classes, and torchtune's own QLoRA modules are replaced
+    (``use_squash_nf4_``), never re-classed: no ``x.__class__ = ...`` anywhere in squash."""
+    import ast
+    from pathlib import Path
+
+    import squash
+
+    found = []
+    for path in Path(squash.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            found += [f"{path.name}:{node.lineno}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr == "__class__"]  # fmt: skip
+    assert found == []

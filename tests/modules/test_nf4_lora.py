@@ -114,7 +114,7 @@ def test_nf4_linear_equals_frozen_nf4_linear_bit_for_bit(monkeypatch, dtype, bia
     assert torch.equal(y, y_ref) and torch.equal(x.grad, gx_ref)
 
 
-def test_use_squash_nf4_keeps_the_objects_and_leaves_others_alone():
+def test_use_squash_nf4_keeps_the_parameters_and_hooks_and_leaves_others_alone():
     torch.manual_seed(0)
     q = LoRALinear(256, 64, rank=4, alpha=8.0, quantize_base=True)
     frozen = FrozenNF4Linear(256, 64)
@@ -122,14 +122,24 @@ def test_use_squash_nf4_keeps_the_objects_and_leaves_others_alone():
     dora = DoRALinear(256, 64, rank=4, alpha=8.0)
     model = nn.ModuleDict(dict(q=q, frozen=frozen, plain=plain, dora=dora, lin=nn.Linear(4, 4)))
     params = {n: p for n, p in model.named_parameters()}
-    q.register_forward_hook(lambda *a: None)
+    calls = []
+    handle = q.register_forward_hook(lambda *a: calls.append(1))
+    q.eval()
     assert use_squash_nf4_(model) is model
-    assert model["q"] is q and type(q) is NF4LoRALinear and len(q._forward_hooks) == 1
-    assert model["frozen"] is frozen and type(frozen) is NF4Linear
+    new_q, new_frozen = model["q"], model["frozen"]
+    assert type(new_q) is NF4LoRALinear and type(q) is LoRALinear  # replaced, not changed
+    assert new_q.lora_a is q.lora_a and new_q.lora_b is q.lora_b and not new_q.training
+    assert (new_q.in_dim, new_q.out_dim, new_q.rank, new_q.alpha) == (256, 64, 4, 8.0)
+    new_q(torch.randn(2, 256))
+    assert calls == [1]
+    handle.remove()  # the handle reaches the replacement's hooks
+    new_q(torch.randn(2, 256))
+    assert calls == [1]
+    assert type(new_frozen) is NF4Linear and new_frozen.weight is frozen.weight
     assert type(plain) is LoRALinear and type(dora) is DoRALinear
     assert type(model["lin"]) is nn.Linear
     assert all(p is params[n] for n, p in model.named_parameters())
-    assert is_plain_lora(q) and is_plain_lora(plain)
+    assert is_plain_lora(new_q) and is_plain_lora(q) and is_plain_lora(plain)
     assert not is_plain_lora(dora) and not is_plain_lora(frozen)
     assert not is_plain_lora(SparseLoRALinear(16, 16, 2, 4.0))
 
