@@ -91,16 +91,16 @@ def build(args, d_in: int, d_out: int, rank: int, seed: int = 0) -> tuple:
     from torchtune import training
     from torchtune.modules.peft import LoRALinear
 
-    from squash.modules import SparseLoRALinear
+    from squash.modules import sparse_lora_linear
     from squash.nf4 import nf4_block_sizes
 
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(seed)
     block, scaler = nf4_block_sizes(f"a {d_out} x {d_in} weight", (d_out, d_in))
     with training.set_default_dtype(dtype):
-        sq = SparseLoRALinear(d_in, d_out, rank, alpha=2.0 * rank, sparsity=args.sparsity,
-                              sparse_factor=args.sparse_factor, quantize_base=True,
-                              generator=g)  # fmt: skip
+        sq = sparse_lora_linear(d_in, d_out, rank, alpha=2.0 * rank, sparsity=args.sparsity,
+                                sparse_factor=args.sparse_factor, quantize_base=True,
+                                generator=g)  # fmt: skip
         dense = LoRALinear(d_in, d_out, args.rank, alpha=2.0 * args.rank, quantize_base=True,
                            block_size=block, scaler_block_size=scaler)  # fmt: skip
     with torch.no_grad():  # B starts at zero: give both adapters' outputs non-zero values

@@ -41,7 +41,7 @@ from torchtune.modules.peft import LORA_ATTN_MODULES, LoRALinear
 
 from squash._checks import INITS, SPARSE_FACTORS, check_choice, check_sparsity
 from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
-from squash.modules import FlatTiedLinear, SparseLoRALinear, flatten_tied_output, swap_lora_linear
+from squash.modules import FlatTiedLinear, flatten_tied_output, sparse_lora_linear, swap_lora_linear
 from squash.nf4 import (
     NF4Linear,
     NF4LoRALinear,
@@ -101,7 +101,7 @@ def linear(
     elif base_outliers is not None:
         raise ValueError(f"{name}: base_outliers needs quantize_base=True")
     if adapt and sparsity is not None:
-        return SparseLoRALinear(
+        return sparse_lora_linear(
             in_dim, out_dim, lora_rank, lora_alpha, sparsity=sparsity,
             sparse_factor=sparse_factor, dropout=lora_dropout, use_bias=use_bias,
             quantize_base=quantize_base, init=init, **outliers, **sizes,

@@ -66,162 +66,76 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
     """LoRA linear layer whose adapter factors may be Fixed Fan-In sparse.
 
     Behaves like :class:`torchtune.modules.peft.LoRALinear` (same base state-dict keys ``weight``
-    and ``bias``, ``disabled`` flag, dropout before ``lora_a``, ``scaling = alpha / rank``, NF4 base
-    through ``linear_nf4`` when ``quantize_base``); ``sparse_factor`` picks which of ``lora_a``
-    (``in_dim -> rank``) and ``lora_b`` (``rank -> out_dim``) are :class:`FFILinear`. Unlike
-    ``LoRALinear``, the base ``weight``/``bias`` are created with ``requires_grad=False``
-    (torchtune's ``set_trainable_params`` freezes them in a model anyway).
-
-    Initialisation:
-
-    - ``"lora"``: A Kaiming-uniform over its fan-in (``in_dim``, or ``k`` when sparse, with a
-      random pattern), B zero (when sparse: a random pattern with zero values), so the output
-      equals the base output at step 0.
-    - ``"svd"``: :meth:`initialize_from_pretrained` on the freshly drawn base weight. For a real
-      checkpoint call :meth:`initialize_from_pretrained` with the unquantized pretrained weight
-      after construction (see :func:`squash.modules.svd_initialize`).
+    and ``bias``, ``disabled`` flag, dropout before ``lora_a``, ``scaling = alpha / rank``, an NF4
+    base computed by squash's NF4 kernel); one or both of ``lora_a`` (``in_dim -> rank``) and
+    ``lora_b`` (``rank -> out_dim``) are :class:`FFILinear`. The module is given its frozen base
+    and its two factors as they are to be used; :func:`sparse_lora_linear` builds them from
+    sizes, a sparsity and an initialisation (what squash's builders call).
 
     Args:
-        in_dim (int): input width.
-        out_dim (int): output width.
-        rank (int): adapter rank ``r >= 1``.
+        weight (nn.Parameter): the frozen base ``(out_dim, in_dim)``, dense or NF4 (QLoRA).
+        bias (Optional[nn.Parameter]): the frozen base bias ``(out_dim,)``, or None.
+        lora_a (nn.Module): ``in_dim -> rank``: an :class:`FFILinear` or a bias-free
+            ``nn.Linear`` (:func:`lora_factor`).
+        lora_b (nn.Module): ``rank -> out_dim``, likewise; at least one factor is FFI.
         alpha (float): LoRA scaling numerator; ``scaling = alpha / rank``.
-        sparsity (float): fraction of zeros of each sparse factor, in ``[0, 1)``. Default: 0.9
-        sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
         dropout (float): dropout probability on the adapter input. Default: 0.0
-        use_bias (bool): whether the base layer has a bias. Default: False
-        quantize_base (bool): store the base weight as an NF4 tensor (QLoRA). Default: False
-        init (str): ``"lora"`` or ``"svd"``. Default: ``"lora"``
-        dtype (Optional[torch.dtype]): dtype of the base (before NF4) and adapter parameters.
-        device (Optional[torch.device]): where the module lives.
-        generator (Optional[torch.Generator]): CPU generator for FFI patterns and FFI values.
-        **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
-            with ``quantize_base``. Without them the sizes are chosen for the weight's shape
-            (:func:`~squash.nf4.nf4_block_sizes`: torchao's defaults where they divide
-            it), and the NF4 weight records them.
-
-        weight (Optional[nn.Parameter]): an existing base weight ``(out_dim, in_dim)`` to use
-            (the very same parameter, dense or NF4) instead of drawing one; a dense one is
-            quantized when ``quantize_base``. Default: None (drawn as ``nn.Linear`` draws it).
-        bias (Optional[nn.Parameter]): the existing base bias ``(out_dim,)``, given with
-            ``weight`` exactly when ``use_bias``.
-        base_outliers (Optional[Mapping]): with ``quantize_base``, a corrected base
-            ``NF4(W - S) + S`` (``{"fraction", "criterion"}``, see
-            :mod:`squash.nf4.base_outliers`; ``S`` is set when the base is loaded). Default:
-            None (plain NF4).
+        base_outliers (Optional[Mapping]): with an NF4 base, a corrected base ``NF4(W - S) + S``
+            (``{"fraction", "criterion"}``, see :mod:`squash.nf4.base_outliers`; ``S`` is set
+            when the base is loaded). Default: None (plain NF4).
 
     Raises:
-        ValueError: naming a bad argument (sizes, ``rank``, ``alpha``, ``sparsity``,
-            ``sparse_factor``, ``init``, ``dropout``), quantization arguments without
-            ``quantize_base``, a given base of the wrong shape or kind, or an NF4 base whose
-            size no block size divides, or the given block sizes do not divide (naming the shape
-            and the block sizes).
+        ValueError: naming what does not fit: factor widths against the base or each other, two
+            dense factors, a biased factor, ``alpha``, ``dropout``, or ``base_outliers`` on a
+            dense base.
     """
 
     def __init__(
         self,
-        in_dim: int,
-        out_dim: int,
-        rank: int,
+        weight: nn.Parameter,
+        bias: Optional[nn.Parameter],
+        lora_a: nn.Module,
+        lora_b: nn.Module,
         alpha: float,
-        sparsity: float = 0.9,
-        sparse_factor: str = "a",
         dropout: float = 0.0,
-        use_bias: bool = False,
-        quantize_base: bool = False,
-        init: str = "lora",
         *,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-        generator: Optional[torch.Generator] = None,
-        weight: Optional[nn.Parameter] = None,
-        bias: Optional[nn.Parameter] = None,
         base_outliers: Optional[Mapping] = None,
-        **quantization_kwargs,
     ):
         super().__init__()
-        in_dim = check_int("in_dim", in_dim)
-        out_dim = check_int("out_dim", out_dim)
-        rank = check_int("rank", rank)
-        alpha = check_real("alpha", alpha)
-        sparsity = check_sparsity("sparsity", sparsity)
-        check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
-        check_choice("init", init, INITS)
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be (out_dim, in_dim), got shape {tuple(weight.shape)}")
+        out_dim, in_dim = weight.shape
+        for name, factor in (("lora_a", lora_a), ("lora_b", lora_b)):
+            if not isinstance(factor, (FFILinear, nn.Linear)) or getattr(factor, "bias", None) is not None:
+                raise ValueError(f"{name} must be an FFILinear or a bias-free nn.Linear, got {factor}")
+        rank = lora_a.out_features
+        if lora_a.in_features != in_dim or lora_b.out_features != out_dim or lora_b.in_features != rank:
+            raise ValueError(
+                f"factors lora_a {lora_a.in_features} -> {lora_a.out_features} and lora_b "
+                f"{lora_b.in_features} -> {lora_b.out_features} do not fit a base of (out_dim, "
+                f"in_dim) = {(out_dim, in_dim)}: expected in_dim -> rank -> out_dim"
+            )
+        sparse = (isinstance(lora_a, FFILinear), isinstance(lora_b, FFILinear))
+        if not any(sparse):
+            raise ValueError("both factors are dense: use torchtune's LoRALinear")
+        if bias is not None and tuple(bias.shape) != (out_dim,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_dim},)")
+        self.in_dim, self.out_dim, self.rank = in_dim, out_dim, rank
+        self.alpha = check_real("alpha", alpha)
         dropout = check_real("dropout", dropout, low=0.0, high=1.0, high_inclusive=False)
-        for name, flag in (("use_bias", use_bias), ("quantize_base", quantize_base)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
-        if not quantize_base and any(quantization_kwargs.values()):
-            raise ValueError(
-                f"quantize_base is False, but got quantization arguments {quantization_kwargs}"
-            )
-        self.in_dim = in_dim
-        self.out_dim = out_dim
-        self.rank = rank
-        self.alpha = alpha
-        self.sparsity = sparsity
-        self.sparse_factor = sparse_factor
-        self.use_bias = use_bias
-        self.init = init
-        self._quantize_base = quantize_base
+        self.sparse_factor = {v: k for k, v in SPARSE_FACTORS.items()}[sparse]
+        self.use_bias = bias is not None
+        self._quantize_base = isinstance(weight, NF4Tensor)
         self.disabled = False
-        if base_outliers is not None and not quantize_base:
-            raise ValueError("base_outliers needs quantize_base=True (an NF4 base to correct)")
+        if base_outliers is not None and not self._quantize_base:
+            raise ValueError("base_outliers needs an NF4 base (quantize_base=True) to correct")
         init_base_outliers_(self, base_outliers)
-        if quantize_base:
+        if self._quantize_base:
             install_torchao_extensions()  # an NF4 base clones with its own block sizes
-
-        weight, bias = self._base(weight, bias, dtype, device, quantization_kwargs)
-        self.register_parameter("weight", weight)
-        self.register_parameter("bias", bias)
+        self.register_parameter("weight", _as_parameter(weight))
+        self.register_parameter("bias", None if bias is None else _as_parameter(bias))
         self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
-        sparse_a, sparse_b = SPARSE_FACTORS[sparse_factor]
-        factory = dict(dtype=dtype, device=device, generator=generator)
-        self.lora_a = lora_factor(in_dim, rank, sparsity if sparse_a else None, **factory)
-        self.lora_b = lora_factor(rank, out_dim, sparsity if sparse_b else None, **factory)
-        self._init_lora_values(generator)  # the FFI factors drew their patterns already
-        if init == "svd" and not self.weight.is_meta:  # on meta there is nothing to factor yet
-            self.initialize_from_pretrained(self.weight)
-        if quantize_base and not isinstance(self.weight, NF4Tensor):
-            self.weight = nn.Parameter(
-                quantize_nf4(self.weight.detach(), self._name(), **quantization_kwargs),
-                requires_grad=False,
-            )
-
-    def _name(self) -> str:
-        return f"SparseLoRALinear(in_dim={self.in_dim}, out_dim={self.out_dim})"
-
-    def _base(self, weight, bias, dtype, device, quantization_kwargs) -> tuple:
-        """The base ``(weight, bias)`` parameters: the given ones, checked, or freshly drawn."""
-        if self._quantize_base and not isinstance(weight, NF4Tensor):
-            given = {k: v for k, v in quantization_kwargs.items() if v}
-            if given:  # name the shape before torchao fails on it with a bare assertion
-                check_nf4_shape(self._name(), (self.out_dim, self.in_dim), **given)
-            else:
-                nf4_block_sizes(self._name(), (self.out_dim, self.in_dim))
-        if weight is None:
-            if bias is not None:
-                raise ValueError("bias was given without weight: give both or neither")
-            # Drawn as nn.Linear draws it (as LoRALinear does) and created frozen.
-            linear = nn.Linear(
-                self.in_dim, self.out_dim, bias=self.use_bias, dtype=dtype, device=device
-            )
-            weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
-            if self.use_bias:
-                bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-            return weight, bias
-        if tuple(weight.shape) != (self.out_dim, self.in_dim):
-            raise ValueError(
-                f"weight has shape {tuple(weight.shape)}, expected (out_dim, in_dim) = "
-                f"{(self.out_dim, self.in_dim)}"
-            )
-        if isinstance(weight, NF4Tensor) and not self._quantize_base:
-            raise ValueError("weight is an NF4 tensor but quantize_base is False")
-        if (bias is not None) != self.use_bias:
-            raise ValueError(f"use_bias is {self.use_bias} but bias is {type(bias).__name__}")
-        if bias is not None and tuple(bias.shape) != (self.out_dim,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({self.out_dim},)")
-        return _as_parameter(weight), None if bias is None else _as_parameter(bias)
+        self.lora_a, self.lora_b = lora_a, lora_b
 
     @property
     def scaling(self) -> float:
@@ -262,9 +176,6 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         """LoRA initialisation: fresh FFI patterns, A Kaiming-uniform over its fan-in, B zero."""
         initialize_lora_factors_(self.lora_a, self.lora_b, generator)
 
-    def _init_lora_values(self, generator: Optional[torch.Generator]) -> None:
-        _init_lora_values_(self.lora_a, self.lora_b, generator)
-
     # ---- SVD initialisation -------------------------------------------------------------------
     @torch.no_grad()
     def initialize_from_pretrained(self, weight: torch.Tensor) -> None:
@@ -294,14 +205,9 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
                 f"pretrained weight shape {tuple(weight.shape)} != (out_dim, in_dim) = "
                 f"{(self.out_dim, self.in_dim)}"
             )
-        state, residual = svd_factors(
-            _dequantize(weight).to(_trainable(self.lora_a).device), rank=self.rank,
-            scaling=self.scaling, sparse_factor=self.sparse_factor, sparsity=self.sparsity,
-        )  # fmt: skip
-        for key, value in state.items():
-            factor, name = key.split(".")
-            getattr(getattr(self, factor), name).copy_(value)
-        self.weight.copy_(residual.float().to(self.weight.dtype))  # NF4: quantizes in place
+        if self.rank > min(self.in_dim, self.out_dim):
+            raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={self.rank}")
+        _svd_init_(self.weight, self.lora_a, self.lora_b, self.scaling, weight)
 
     # ---- forward and export -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,8 +253,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         base = "nf4" if self._quantize_base else "dense"
         return (
             f"in_dim={self.in_dim}, out_dim={self.out_dim}, rank={self.rank}, alpha={self.alpha}, "
-            f"sparse_factor={self.sparse_factor!r}, sparsity={self.sparsity}, base={base}, "
-            f"use_bias={self.use_bias}, init={self.init!r}"
+            f"sparse_factor={self.sparse_factor!r}, base={base}, use_bias={self.use_bias}"
         )
 
     # ---- model surgery --------------------------------------------------------------------------
@@ -384,7 +289,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             ValueError: as the constructor.
         """
         ref = lora.lora_a.weight
-        new = cls(
+        new = sparse_lora_linear(
             lora.in_dim,
             lora.out_dim,
             lora.rank,
@@ -405,16 +310,158 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         return new.train(lora.training)
 
 
+def sparse_lora_linear(
+    in_dim: int,
+    out_dim: int,
+    rank: int,
+    alpha: float,
+    sparsity: float = 0.9,
+    sparse_factor: str = "a",
+    dropout: float = 0.0,
+    use_bias: bool = False,
+    quantize_base: bool = False,
+    init: str = "lora",
+    *,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+    generator: Optional[torch.Generator] = None,
+    weight: Optional[nn.Parameter] = None,
+    bias: Optional[nn.Parameter] = None,
+    base_outliers: Optional[Mapping] = None,
+    **quantization_kwargs,
+) -> SparseLoRALinear:
+    """A :class:`SparseLoRALinear` built from sizes, as torchtune's ``LoRALinear`` builds itself:
+    its base drawn as ``nn.Linear`` draws it (or the given one), its factors by
+    :func:`lora_factor`, initialised, and its base quantized to NF4 when ``quantize_base``.
+
+    Initialisation:
+
+    - ``"lora"``: A Kaiming-uniform over its fan-in (``in_dim``, or ``k`` when sparse, with a
+      random pattern), B zero (when sparse: a random pattern with zero values), so the output
+      equals the base output at step 0.
+    - ``"svd"``: :func:`svd_factors` of the base weight (nothing on the meta device), the base
+      becoming the residual. For a real checkpoint, the assembly
+      (:func:`squash.training.model_setup.assemble_adapter_model`) factors the loaded weights.
+
+    Args:
+        in_dim (int): input width.
+        out_dim (int): output width.
+        rank (int): adapter rank ``r >= 1``.
+        alpha (float): LoRA scaling numerator; ``scaling = alpha / rank``.
+        sparsity (float): fraction of zeros of each sparse factor, in ``[0, 1)``. Default: 0.9
+        sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``. Default: ``"a"``
+        dropout (float): dropout probability on the adapter input. Default: 0.0
+        use_bias (bool): whether the base layer has a bias. Default: False
+        quantize_base (bool): store the base weight as an NF4 tensor (QLoRA). Default: False
+        init (str): ``"lora"`` or ``"svd"``. Default: ``"lora"``
+        dtype (Optional[torch.dtype]): dtype of the base (before NF4) and adapter parameters.
+        device (Optional[torch.device]): where the module lives.
+        generator (Optional[torch.Generator]): CPU generator for FFI patterns and FFI values.
+        weight (Optional[nn.Parameter]): an existing base weight ``(out_dim, in_dim)`` to use
+            (the very same parameter, dense or NF4) instead of drawing one; a dense one is
+            quantized when ``quantize_base``. Default: None
+        bias (Optional[nn.Parameter]): the existing base bias ``(out_dim,)``, given with
+            ``weight`` exactly when ``use_bias``.
+        base_outliers (Optional[Mapping]): with ``quantize_base``, a corrected base (see
+            :class:`SparseLoRALinear`). Default: None
+        **quantization_kwargs: ``to_nf4`` arguments (``block_size``, ``scaler_block_size``); only
+            with ``quantize_base``. Without them the sizes are chosen for the weight's shape
+            (:func:`~squash.nf4.nf4_block_sizes`: torchao's defaults where they divide it), and
+            the NF4 weight records them.
+
+    Returns:
+        SparseLoRALinear: the module.
+
+    Raises:
+        ValueError: naming a bad argument (sizes, ``rank``, ``alpha``, ``sparsity``,
+            ``sparse_factor``, ``init``, ``dropout``), quantization arguments without
+            ``quantize_base``, a given base of the wrong shape or kind, or an NF4 base whose
+            size no block size divides, or the given block sizes do not divide (naming the shape
+            and the block sizes).
+    """
+    in_dim = check_int("in_dim", in_dim)
+    out_dim = check_int("out_dim", out_dim)
+    rank = check_int("rank", rank)
+    alpha = check_real("alpha", alpha)
+    sparsity = check_sparsity("sparsity", sparsity)
+    check_choice("sparse_factor", sparse_factor, SPARSE_FACTORS)
+    check_choice("init", init, INITS)
+    check_real("dropout", dropout, low=0.0, high=1.0, high_inclusive=False)
+    for name, flag in (("use_bias", use_bias), ("quantize_base", quantize_base)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if not quantize_base and any(quantization_kwargs.values()):
+        raise ValueError(
+            f"quantize_base is False, but got quantization arguments {quantization_kwargs}"
+        )
+    if base_outliers is not None and not quantize_base:
+        raise ValueError("base_outliers needs quantize_base=True (an NF4 base to correct)")
+    where = f"SparseLoRALinear(in_dim={in_dim}, out_dim={out_dim})"
+    weight, bias = _base(where, in_dim, out_dim, use_bias, quantize_base, weight, bias, dtype,
+                         device, quantization_kwargs)  # fmt: skip
+    sparse_a, sparse_b = SPARSE_FACTORS[sparse_factor]
+    factory = dict(dtype=dtype, device=device, generator=generator)
+    lora_a = lora_factor(in_dim, rank, sparsity if sparse_a else None, **factory)
+    lora_b = lora_factor(rank, out_dim, sparsity if sparse_b else None, **factory)
+    _init_lora_values_(lora_a, lora_b, generator)  # the FFI factors drew their patterns already
+    if init == "svd" and not weight.is_meta:  # on meta there is nothing to factor yet
+        if rank > min(in_dim, out_dim):
+            raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={rank}")
+        _svd_init_(weight, lora_a, lora_b, alpha / rank, weight)
+    if quantize_base and not isinstance(weight, NF4Tensor):
+        weight = nn.Parameter(quantize_nf4(weight.detach(), where, **quantization_kwargs),
+                              requires_grad=False)  # fmt: skip
+    return SparseLoRALinear(weight, bias, lora_a, lora_b, alpha, dropout,
+                            base_outliers=base_outliers)  # fmt: skip
+
+
+def _base(where, in_dim, out_dim, use_bias, quantize_base, weight, bias, dtype, device,
+          quantization_kwargs) -> tuple:  # fmt: skip
+    """The base ``(weight, bias)``: the given ones, checked, or freshly drawn."""
+    if quantize_base and not isinstance(weight, NF4Tensor):
+        given = {k: v for k, v in quantization_kwargs.items() if v}
+        if given:  # name the shape before torchao fails on it with a bare assertion
+            check_nf4_shape(where, (out_dim, in_dim), **given)
+        else:
+            nf4_block_sizes(where, (out_dim, in_dim))
+    if weight is None:
+        if bias is not None:
+            raise ValueError("bias was given without weight: give both or neither")
+        # Drawn as nn.Linear draws it (as LoRALinear does) and created frozen.
+        linear = nn.Linear(in_dim, out_dim, bias=use_bias, dtype=dtype, device=device)
+        weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        if use_bias:
+            bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return weight, bias
+    if tuple(weight.shape) != (out_dim, in_dim):
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}, expected (out_dim, in_dim) = "
+            f"{(out_dim, in_dim)}"
+        )
+    if isinstance(weight, NF4Tensor) and not quantize_base:
+        raise ValueError("weight is an NF4 tensor but quantize_base is False")
+    if (bias is not None) != use_bias:
+        raise ValueError(f"use_bias is {use_bias} but bias is {type(bias).__name__}")
+    if bias is not None and tuple(bias.shape) != (out_dim,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_dim},)")
+    return _as_parameter(weight), None if bias is None else _as_parameter(bias)
+
+
 @torch.no_grad()
 def svd_factors(
-    weight: torch.Tensor, *, rank: int, scaling: float, sparse_factor: str, sparsity: float
+    weight: torch.Tensor,
+    *,
+    rank: int,
+    scaling: float,
+    fan_in_a: Optional[int] = None,
+    fan_in_b: Optional[int] = None,
 ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
     """The SVD initialisation of one adapter (``init: svd``), the one place it is computed.
 
     With ``W = U S V^T`` and ``s = scaling``: ``B = U_r sqrt(S_r) / sqrt(s)`` and
     ``A = sqrt(S_r) V_r^T / sqrt(s)``, so ``s * B @ A`` is the best rank-``r`` approximation of
-    ``W``. A sparse factor is pruned to FFI by magnitude (:func:`~squash.sparsity.prune_to_ffi`
-    at the fan-in :func:`lora_factor` gives it); when the other factor is dense it is refitted
+    ``W``. A sparse factor (one with a fan-in) is pruned to FFI by magnitude
+    (:func:`~squash.sparsity.prune_to_ffi`); when the other factor is dense it is refitted
     by least squares to the pruned one (``min ||W - s * B @ A_ffi||``), which only lowers the
     residual. Computed in float64 on ``weight``'s device.
 
@@ -423,8 +470,8 @@ def svd_factors(
             dequantized first).
         rank (int): adapter rank, at most ``min(out_dim, in_dim)``.
         scaling (float): ``alpha / rank``.
-        sparse_factor (str): ``"a"``, ``"b"`` or ``"both"``.
-        sparsity (float): fraction of zeros of each sparse factor.
+        fan_in_a (Optional[int]): the non-zeros a row of an FFI ``A`` keeps; None: dense ``A``.
+        fan_in_b (Optional[int]): likewise for ``B``.
 
     Returns:
         Tuple[Dict[str, torch.Tensor], torch.Tensor]: the factors keyed as the module's state
@@ -443,12 +490,11 @@ def svd_factors(
     root = s[:rank].sqrt() / math.sqrt(scaling)
     b = u[:, :rank] * root  # (out, r)
     a = root[:, None] * vh[:rank]  # (r, in)
-    sparse_a, sparse_b = SPARSE_FACTORS[sparse_factor]
+    sparse_a, sparse_b = fan_in_a is not None, fan_in_b is not None
     state = {}
-    for name, sparse, dense, width in (("lora_a", sparse_a, a, in_dim),
-                                       ("lora_b", sparse_b, b, rank)):  # fmt: skip
-        if sparse:
-            values, indices = prune_to_ffi(dense, fan_in=fan_in_for(width, sparsity))
+    for name, fan_in, dense in (("lora_a", fan_in_a, a), ("lora_b", fan_in_b, b)):
+        if fan_in is not None:
+            values, indices = prune_to_ffi(dense, fan_in=fan_in)
             state[f"{name}.values"], state[f"{name}.indices"] = values, indices
             pruned = torch.zeros_like(dense).scatter_(1, indices.long(), values)
             a, b = (pruned, b) if name == "lora_a" else (a, pruned)
@@ -459,6 +505,22 @@ def svd_factors(
         a = torch.linalg.lstsq(b, w).solution / scaling
         state["lora_a.weight"] = a
     return state, w - scaling * (b @ a)
+
+
+@torch.no_grad()
+def _svd_init_(base: torch.Tensor, lora_a: nn.Module, lora_b: nn.Module, scaling: float,
+               pretrained: torch.Tensor) -> None:  # fmt: skip
+    """:func:`svd_factors` of ``pretrained`` into the factors, its residual into ``base`` (an
+    NF4 base quantizes it in place), each rounded once to the dtype it is held in."""
+    state, residual = svd_factors(
+        _dequantize(pretrained).to(_trainable(lora_a).device), rank=lora_a.out_features,
+        scaling=scaling, fan_in_a=_fan_in(lora_a), fan_in_b=_fan_in(lora_b),
+    )  # fmt: skip
+    factors = {"lora_a": lora_a, "lora_b": lora_b}
+    for key, value in state.items():
+        factor, name = key.split(".")
+        getattr(factors[factor], name).copy_(value)
+    base.copy_(residual.float().to(base.dtype))
 
 
 def initialize_lora_factors_(
@@ -484,6 +546,11 @@ def _init_lora_values_(lora_a, lora_b, generator) -> None:
 def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
     """A given base tensor as a parameter: the same object if it is one, else a frozen one."""
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+
+
+def _fan_in(factor: nn.Module) -> Optional[int]:
+    """The fan-in of an FFI factor, None for a dense one."""
+    return factor.fan_in if isinstance(factor, FFILinear) else None
 
 
 def _trainable(factor: nn.Module) -> torch.Tensor:

@@ -14,8 +14,7 @@ from typing import Dict, Mapping, Tuple
 import torch
 from torch import nn
 
-from squash._checks import SPARSE_FACTORS
-from squash.modules import SparseLoRALinear, get_adapter_modules, is_plain_lora, lora_factor
+from squash.modules import FFILinear, SparseLoRALinear, get_adapter_modules, is_plain_lora
 from squash.modules.ffi_linear import kaiming_uniform_
 from squash.modules.sparse_lora import initialize_lora_factors_, svd_factors
 
@@ -31,16 +30,16 @@ def _factor_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _fresh_factors(module: SparseLoRALinear) -> Dict[str, nn.Module]:
-    """CPU factors ``lora_a`` and ``lora_b`` of ``module``'s shapes and dtype, not yet drawn."""
-    sparse_a, sparse_b = SPARSE_FACTORS[module.sparse_factor]
+    """CPU factors ``lora_a`` and ``lora_b`` of ``module``'s shapes, fan-ins and dtype, not
+    yet drawn."""
     factory = dict(dtype=_factor_dtype(module), device="meta")
-    factors = {
-        "lora_a": lora_factor(module.in_dim, module.rank, module.sparsity if sparse_a else None,
-                              **factory),
-        "lora_b": lora_factor(module.rank, module.out_dim, module.sparsity if sparse_b else None,
-                              **factory),
-    }  # fmt: skip
-    return {k: f.to_empty(device="cpu") for k, f in factors.items()}
+    out = {}
+    for name in ("lora_a", "lora_b"):
+        f = getattr(module, name)
+        out[name] = (FFILinear(f.in_features, f.out_features, f.fan_in, **factory)
+                     if isinstance(f, FFILinear)
+                     else nn.Linear(f.in_features, f.out_features, bias=False, **factory))  # fmt: skip
+    return {k: f.to_empty(device="cpu") for k, f in out.items()}
 
 
 def _adapter_tensors(name: str, module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -116,7 +115,8 @@ def svd_initial_state(
             continue
         state, rest = svd_factors(
             base_state_dict[key].detach().cpu(), rank=module.rank, scaling=module.scaling,
-            sparse_factor=module.sparse_factor, sparsity=module.sparsity,
+            fan_in_a=getattr(module.lora_a, "fan_in", None),
+            fan_in_b=getattr(module.lora_b, "fan_in", None),
         )  # fmt: skip
         # each tensor rounded once to the dtype the module holds it in, as an in-place
         # initialisation rounds it (the residual in the base's dtype: quantized where loaded)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torchtune.models.llama3_2._component_builders import lora_llama3_2
 
-from squash.modules import NF4Linear, NF4LoRALinear, SparseLoRALinear
+from squash.modules import NF4Linear, NF4LoRALinear, sparse_lora_linear
 from squash.nf4 import (
     NF4Tensor,
     nf4_block_sizes,
@@ -79,7 +79,7 @@ def test_clone_deepcopy_and_load_keep_the_block_sizes():
     for c in (q.clone(), copy.deepcopy(nn.Parameter(q, requires_grad=False))):
         assert isinstance(c, NF4Tensor) and (c.block_size, c.scaler_block_size) == (64, 216)
         assert torch.equal(c.get_original_weight(), ref)
-    m = SparseLoRALinear(576, 576, 4, 8.0, quantize_base=True)
+    m = sparse_lora_linear(576, 576, 4, 8.0, quantize_base=True)
     m.load_state_dict({**m.state_dict(), "weight": w})
     assert (m.weight.block_size, m.weight.scaler_block_size) == (64, 216)
     assert torch.equal(m.weight.get_original_weight(), ref)
@@ -87,7 +87,7 @@ def test_clone_deepcopy_and_load_keep_the_block_sizes():
 
 def test_sparse_lora_quantizes_576_with_the_chosen_sizes():
     w = torch.randn(192, 576)
-    m = SparseLoRALinear(576, 192, 4, 8.0, quantize_base=True, weight=w.clone())
+    m = sparse_lora_linear(576, 192, 4, 8.0, quantize_base=True, weight=w.clone())
     assert (m.weight.block_size, m.weight.scaler_block_size) == (64, 216)
     assert torch.equal(m.weight.get_original_weight(), to_nf4(w, 64, 216).get_original_weight())
     x = torch.randn(3, 576)

@@ -18,6 +18,7 @@ from squash.modules import (
     NF4Linear,
     NF4LoRALinear,
     SparseLoRALinear,
+    sparse_lora_linear,
     is_plain_lora,
     swap_lora_linear,
     use_squash_nf4_,
@@ -141,7 +142,7 @@ def test_use_squash_nf4_keeps_the_parameters_and_hooks_and_leaves_others_alone()
     assert all(p is params[n] for n, p in model.named_parameters())
     assert is_plain_lora(new_q) and is_plain_lora(q) and is_plain_lora(plain)
     assert not is_plain_lora(dora) and not is_plain_lora(frozen)
-    assert not is_plain_lora(SparseLoRALinear(16, 16, 2, 4.0))
+    assert not is_plain_lora(sparse_lora_linear(16, 16, 2, 4.0))
 
 
 def test_qlora_opt_builds_nf4_lora_linear_that_swaps_to_sparse():

@@ -7,7 +7,7 @@ from torch import nn
 from squash.nf4 import NF4Tensor, to_nf4
 from torchtune.modules.peft import LoRALinear
 
-from squash.modules import FFILinear, SparseLoRALinear
+from squash.modules import FFILinear, SparseLoRALinear, sparse_lora_linear
 
 NF4_INNER = ("quantized_scalers", "quantization_factor", "scaler_mean", "quantized_data", "nf4")
 
@@ -50,7 +50,7 @@ def randomize_b(m, generator):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 4e-2)])
 def test_forward_matches_dense_computation(sparse_factor, quantize_base, dtype, tol):
     g = torch.Generator().manual_seed(0)
-    m = SparseLoRALinear(
+    m = sparse_lora_linear(
         128, 128, rank=8, alpha=16, sparsity=0.9, sparse_factor=sparse_factor,
         use_bias=not quantize_base, quantize_base=quantize_base, dtype=dtype, generator=g,
     )  # fmt: skip
@@ -67,7 +67,7 @@ def test_forward_matches_dense_computation(sparse_factor, quantize_base, dtype, 
 
 def test_dropout_acts_on_adapter_input_only():
     g = torch.Generator().manual_seed(1)
-    m = SparseLoRALinear(64, 32, rank=4, alpha=8, dropout=0.5, use_bias=True, generator=g)
+    m = sparse_lora_linear(64, 32, rank=4, alpha=8, dropout=0.5, use_bias=True, generator=g)
     randomize_b(m, g)
     x = torch.randn(6, 64, generator=g)
     m.eval()
@@ -83,7 +83,7 @@ def test_dropout_acts_on_adapter_input_only():
 def test_dense_limit_equals_torchtune_lora_linear():
     """At sparsity 0 the FFI factors are dense; with the same tensors LoRALinear agrees."""
     g = torch.Generator().manual_seed(2)
-    m = SparseLoRALinear(48, 40, 6, 12.0, sparsity=0.0, sparse_factor="both", use_bias=True,
+    m = sparse_lora_linear(48, 40, 6, 12.0, sparsity=0.0, sparse_factor="both", use_bias=True,
                          generator=g)  # fmt: skip
     randomize_b(m, g)
     ref = LoRALinear(48, 40, 6, 12.0, use_bias=True)
@@ -98,7 +98,7 @@ def test_dense_limit_equals_torchtune_lora_linear():
 
 def test_base_state_dict_keys_match_lora_linear():
     ref = LoRALinear(128, 128, 4, 8.0, use_bias=True)
-    m = SparseLoRALinear(128, 128, 4, 8.0, use_bias=True)
+    m = sparse_lora_linear(128, 128, 4, 8.0, use_bias=True)
     ours, theirs = set(m.state_dict()), set(ref.state_dict())
     assert ours & theirs == {"weight", "bias", "lora_b.weight"}
     assert ours - theirs == {"lora_a.values", "lora_a.indices"}
@@ -107,7 +107,7 @@ def test_base_state_dict_keys_match_lora_linear():
     missing, unexpected = m.load_state_dict(base, strict=False)
     assert not unexpected and set(missing) == {"lora_a.values", "lora_a.indices", "lora_b.weight"}
     assert torch.equal(m.weight, ref.weight) and torch.equal(m.bias, ref.bias)
-    q = SparseLoRALinear(128, 128, 4, 8.0, quantize_base=True)
+    q = sparse_lora_linear(128, 128, 4, 8.0, quantize_base=True)
     q.load_state_dict({"weight": ref.weight.detach()}, strict=False)
     assert torch.equal(
         q.weight.get_original_weight(), to_nf4(ref.weight.detach()).get_original_weight()
@@ -116,7 +116,7 @@ def test_base_state_dict_keys_match_lora_linear():
 
 def test_lora_init_output_equals_base_and_kaiming_a():
     for sparse_factor in ("a", "b", "both"):
-        m = SparseLoRALinear(256, 64, rank=16, alpha=32, sparse_factor=sparse_factor)
+        m = sparse_lora_linear(256, 64, rank=16, alpha=32, sparse_factor=sparse_factor)
         x = torch.randn(4, 256)
         assert torch.equal(m(x), nn.functional.linear(x, m.weight))  # B is zero
         b = m.lora_b.values if isinstance(m.lora_b, FFILinear) else m.lora_b.weight
@@ -128,7 +128,7 @@ def test_lora_init_output_equals_base_and_kaiming_a():
 
 def test_gradients_reach_only_adapter_and_nf4_base_is_untouched():
     g = torch.Generator().manual_seed(3)
-    m = SparseLoRALinear(128, 128, rank=4, alpha=8, sparse_factor="a", quantize_base=True,
+    m = sparse_lora_linear(128, 128, rank=4, alpha=8, sparse_factor="a", quantize_base=True,
                          dtype=torch.float32, generator=g)  # fmt: skip
     randomize_b(m, g)
     before = {k: getattr(m.weight, k).clone() for k in NF4_INNER}
@@ -161,10 +161,10 @@ def test_gradients_reach_only_adapter_and_nf4_base_is_untouched():
 
 
 def test_adapter_params_and_buffers():
-    m = SparseLoRALinear(64, 64, 4, 8, sparse_factor="a")
+    m = sparse_lora_linear(64, 64, 4, 8, sparse_factor="a")
     assert m.adapter_params() == ["lora_a.values", "lora_b.weight"]
     assert m.adapter_buffers() == ["lora_a.indices"]
-    m = SparseLoRALinear(64, 64, 4, 8, sparse_factor="both")
+    m = sparse_lora_linear(64, 64, 4, 8, sparse_factor="both")
     assert m.adapter_params() == ["lora_a.values", "lora_b.values"]
     assert m.adapter_buffers() == ["lora_a.indices", "lora_b.indices"]
 
@@ -172,7 +172,7 @@ def test_adapter_params_and_buffers():
 @pytest.mark.parametrize("quantize_base", [False, True])
 def test_merged_weight(quantize_base):
     g = torch.Generator().manual_seed(4)
-    m = SparseLoRALinear(128, 128, 8, 4.0, sparse_factor="both", quantize_base=quantize_base,
+    m = sparse_lora_linear(128, 128, 8, 4.0, sparse_factor="both", quantize_base=quantize_base,
                          generator=g)  # fmt: skip
     randomize_b(m, g)
     expected = base_weight(m) + m.scaling * dense_factor(m.lora_b) @ dense_factor(m.lora_a)
@@ -188,7 +188,7 @@ def test_merged_weight(quantize_base):
 
 def test_meta_init_then_to_empty_and_initialize_parameters():
     with torch.device("meta"):
-        m = SparseLoRALinear(64, 32, 4, 8, sparse_factor="both")
+        m = sparse_lora_linear(64, 32, 4, 8, sparse_factor="both")
     m.to_empty(device="cpu")
     m.initialize_parameters()
     assert m.weight.is_meta  # the base waits for the checkpoint, as with LoRALinear
@@ -225,7 +225,7 @@ def test_meta_init_then_to_empty_and_initialize_parameters():
 def test_bad_arguments_raise(kwargs, match):
     args = dict(in_dim=32, out_dim=32, rank=4, alpha=8.0) | kwargs
     with pytest.raises(ValueError, match=match):
-        SparseLoRALinear(**args)
+        sparse_lora_linear(**args)
 
 
 def low_rank_weight(out_dim, in_dim, seed=0):
@@ -263,7 +263,7 @@ def test_svd_init_dense_base_against_eckart_young(sparse_factor):
     closer to ``W`` than Eckart-Young's bound, and the pruned SVD factors recomputed here (with a
     least-squares refit of the dense factor, which can only lower the residual) bound it above."""
     w = low_rank_weight(128, 256)
-    m = SparseLoRALinear(256, 128, 8, 16.0, sparse_factor=sparse_factor)
+    m = sparse_lora_linear(256, 128, 8, 16.0, sparse_factor=sparse_factor)
     m.initialize_from_pretrained(w)
     torch.testing.assert_close(m.merged_weight(), w, atol=2e-5, rtol=1e-5)  # identity
 
@@ -299,7 +299,7 @@ def test_svd_init_dense_base_against_eckart_young(sparse_factor):
 def test_svd_init_at_sparsity_zero_reaches_eckart_young():
     """With FFI factors that keep every entry, the adapter is the best rank-r approximation."""
     w = low_rank_weight(64, 96)
-    m = SparseLoRALinear(96, 64, 8, 16.0, sparsity=0.0, sparse_factor="both")
+    m = sparse_lora_linear(96, 64, 8, 16.0, sparsity=0.0, sparse_factor="both")
     m.initialize_from_pretrained(w)
     residual = float((m.weight.double()).norm())  # the base is the residual
     assert abs(residual - eckart_young(w, 8)) <= 1e-4 * float(w.norm())
@@ -312,7 +312,7 @@ def test_svd_init_nf4_base_against_plain_qlora(sparse_factor):
     QLoRA (``NF4(W)``, an independent reference) the merged weight and the output are closer to
     ``W``: the residual has a smaller range to quantize."""
     w = low_rank_weight(128, 256)
-    m = SparseLoRALinear(256, 128, 8, 16.0, sparse_factor=sparse_factor, quantize_base=True)
+    m = sparse_lora_linear(256, 128, 8, 16.0, sparse_factor=sparse_factor, quantize_base=True)
     m.initialize_from_pretrained(w)
     assert isinstance(m.weight, NF4Tensor)
     a, b = m.dense_factors()
@@ -327,9 +327,9 @@ def test_svd_init_nf4_base_against_plain_qlora(sparse_factor):
 
 def test_svd_init_in_constructor_keeps_module_output():
     torch.manual_seed(5)
-    dense = SparseLoRALinear(64, 64, 4, 8.0)
+    dense = sparse_lora_linear(64, 64, 4, 8.0)
     torch.manual_seed(5)
-    svd = SparseLoRALinear(64, 64, 4, 8.0, init="svd")  # same random base, then factored
+    svd = sparse_lora_linear(64, 64, 4, 8.0, init="svd")  # same random base, then factored
     x = torch.randn(3, 64)
     torch.testing.assert_close(svd(x), dense(x), atol=1e-5, rtol=1e-5)
     assert svd.lora_b.weight.abs().max() > 0
@@ -340,10 +340,10 @@ def test_nf4_size_not_divisible_by_torchao_blocks_is_named():
     module, the shape and the block sizes first."""
     with pytest.raises(ValueError, match=r"in_dim=100, out_dim=30.*\(30, 100\).*block_size=64.*"
                                          r"scaler_block_size=256"):  # fmt: skip
-        SparseLoRALinear(100, 30, 4, 8.0, quantize_base=True)
+        sparse_lora_linear(100, 30, 4, 8.0, quantize_base=True)
     with pytest.raises(ValueError, match=r"block_size=32.*scaler_block_size=256.*8192"):
-        SparseLoRALinear(64, 100, 4, 8.0, quantize_base=True, block_size=32)
-    assert isinstance(SparseLoRALinear(64, 128, 4, 8.0, quantize_base=True, block_size=32,
+        sparse_lora_linear(64, 100, 4, 8.0, quantize_base=True, block_size=32)
+    assert isinstance(sparse_lora_linear(64, 128, 4, 8.0, quantize_base=True, block_size=32,
                                        scaler_block_size=256).weight, NF4Tensor)  # fmt: skip
 
 
@@ -351,22 +351,22 @@ def test_given_base_is_used_as_is():
     """An existing base (dense, or NF4) becomes the module's base, the same parameter."""
     weight = nn.Parameter(torch.randn(32, 48), requires_grad=False)
     bias = nn.Parameter(torch.randn(32), requires_grad=False)
-    m = SparseLoRALinear(48, 32, 4, 8.0, use_bias=True, weight=weight, bias=bias)
+    m = sparse_lora_linear(48, 32, 4, 8.0, use_bias=True, weight=weight, bias=bias)
     assert m.weight is weight and m.bias is bias
     x = torch.randn(3, 48)
     torch.testing.assert_close(m(x).double(), expected_output(m, x), atol=1e-5, rtol=1e-5)
     assert not hasattr(m, "merged")
     nf4 = nn.Parameter(to_nf4(torch.randn(128, 128)), requires_grad=False)
-    q = SparseLoRALinear(128, 128, 4, 8.0, quantize_base=True, weight=nf4)
+    q = sparse_lora_linear(128, 128, 4, 8.0, quantize_base=True, weight=nf4)
     assert q.weight is nf4
     with pytest.raises(ValueError, match="quantize_base is False"):
-        SparseLoRALinear(128, 128, 4, 8.0, weight=nf4)
-    dense = SparseLoRALinear(128, 128, 4, 8.0, quantize_base=True, weight=torch.randn(128, 128))
+        sparse_lora_linear(128, 128, 4, 8.0, weight=nf4)
+    dense = sparse_lora_linear(128, 128, 4, 8.0, quantize_base=True, weight=torch.randn(128, 128))
     assert isinstance(dense.weight, NF4Tensor)  # a dense base given to a QLoRA module: quantized
 
 
 def test_svd_init_rejects_wrong_shape():
-    m = SparseLoRALinear(32, 16, 4, 8.0)
+    m = sparse_lora_linear(32, 16, 4, 8.0)
     with pytest.raises(ValueError, match="shape"):
         m.initialize_from_pretrained(torch.randn(32, 16))
 
@@ -374,7 +374,7 @@ def test_svd_init_rejects_wrong_shape():
 @pytest.mark.slow
 def test_compiles_fullgraph_with_nf4_base_and_ffi_factors():
     g = torch.Generator().manual_seed(6)
-    m = SparseLoRALinear(128, 128, 8, 16.0, sparse_factor="both", quantize_base=True, generator=g)
+    m = sparse_lora_linear(128, 128, 8, 16.0, sparse_factor="both", quantize_base=True, generator=g)
     randomize_b(m, g)
     x = torch.randn(4, 128, generator=g)
     eager = m(x)

@@ -153,9 +153,9 @@ def test_torchao_switch_routes_to_linear_nf4(monkeypatch):
 def test_sparse_lora_base_runs_the_native_op():
     """SparseLoRALinear's NF4 base goes through squash::nf4_linear (forward and input gradient),
     and its output and input gradient equal those with torchao's linear_nf4 for the base."""
-    from squash.modules import SparseLoRALinear
+    from squash.modules import SparseLoRALinear, sparse_lora_linear
 
-    layer = SparseLoRALinear(256, 128, rank=8, alpha=16, quantize_base=True)
+    layer = sparse_lora_linear(256, 128, rank=8, alpha=16, quantize_base=True)
     torch.nn.init.normal_(layer.lora_b.weight if hasattr(layer.lora_b, "weight") else
                           layer.lora_b.values)  # fmt: skip
     x = torch.randn(3, 256, requires_grad=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from squash.modules import SparseLoRALinear
+from squash.modules import sparse_lora_linear
 from squash.training import checkpoint as ckpt
 from squash.training import exports
 from squash.training.exports import Exports
@@ -75,7 +75,7 @@ def test_latest_is_by_global_step_and_ignores_incomplete_directories(tmp_path):
 
 
 def test_adapter_loading_names_what_does_not_fit():
-    module = SparseLoRALinear(64, 32, rank=4, alpha=8, sparsity=0.5, sparse_factor="both")
+    module = sparse_lora_linear(64, 32, rank=4, alpha=8, sparsity=0.5, sparse_factor="both")
     model = torch.nn.ModuleDict({"proj": module})
     good = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" in k}
     ckpt.load_adapter_into(model, good, Path("x"))
@@ -93,7 +93,7 @@ def test_adapter_loading_names_what_does_not_fit():
 
 def test_merged_state_dict_is_base_plus_scaled_product_of_dense_factors():
     torch.manual_seed(0)
-    module = SparseLoRALinear(32, 16, rank=4, alpha=8, sparsity=0.5, sparse_factor="a", use_bias=True)
+    module = sparse_lora_linear(32, 16, rank=4, alpha=8, sparsity=0.5, sparse_factor="a", use_bias=True)
     with torch.no_grad():
         module.lora_b.weight.normal_()
     model = torch.nn.ModuleDict({"proj": module})
@@ -116,7 +116,7 @@ def test_adapter_state_is_the_adapter_part_of_the_full_state_dict():
 
     torch.manual_seed(0)
     layer = torch.nn.ModuleDict({
-        "q": SparseLoRALinear(64, 32, rank=4, alpha=8, sparsity=0.5, sparse_factor="both"),
+        "q": sparse_lora_linear(64, 32, rank=4, alpha=8, sparsity=0.5, sparse_factor="both"),
         "v": LoRALinear(64, 16, rank=2, alpha=4),
     })  # fmt: skip
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([checkpoint_wrapper(layer)])})

@@ -30,14 +30,14 @@ def test_a_sharded_mask_update_skips_a_factor_where_nothing_moves_without_its_gr
     import torch.distributed as dist
     from torch import nn
 
-    from squash.modules import SparseLoRALinear
+    from squash.modules import sparse_lora_linear
     from squash.training import update_masks
     from squash.training.distributed import update_masks_sharded
     from squash.training.mask_update import entries_replaced, record_dense_grads
 
     torch.manual_seed(0)
     model = nn.ModuleDict({
-        name: SparseLoRALinear(64, 32, rank=8, alpha=16, sparsity=sparsity, sparse_factor="a")
+        name: sparse_lora_linear(64, 32, rank=8, alpha=16, sparsity=sparsity, sparse_factor="a")
         for name, sparsity in (("still", 0.97), ("moved", 0.9))
     })  # fmt: skip
     still, moved = model["still"].lora_a, model["moved"].lora_a

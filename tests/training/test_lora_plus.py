@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torchtune.modules.peft import LoRALinear, get_adapter_params, set_trainable_params
 
-from squash.modules import SparseLoRALinear
+from squash.modules import sparse_lora_linear
 from squash.training.config_checks import ConfigKeyError
 from squash.training.steps import optimizer_params
 
@@ -15,7 +15,7 @@ def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(
         LoRALinear(8, 6, rank=2, alpha=4.0),
-        SparseLoRALinear(6, 4, rank=3, alpha=6.0, sparsity=0.5, sparse_factor="both"),
+        sparse_lora_linear(6, 4, rank=3, alpha=6.0, sparsity=0.5, sparse_factor="both"),
     )
     for m in model:
         nn.init.normal_(m.lora_b.weight if hasattr(m.lora_b, "weight") else m.lora_b.values)

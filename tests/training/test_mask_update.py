@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from squash.modules import SparseLoRALinear
+from squash.modules import sparse_lora_linear
 from squash.sparsity import random_ffi_indices, validate_ffi
 from squash.training import (
     cosine_drop_fraction,
@@ -122,7 +122,7 @@ def test_drop_is_capped_by_free_columns():
 
 def test_update_masks_uses_recorded_dense_gradients():
     g = torch.Generator().manual_seed(5)
-    m = SparseLoRALinear(64, 48, rank=6, alpha=12.0, sparsity=0.75, sparse_factor="both",
+    m = sparse_lora_linear(64, 48, rank=6, alpha=12.0, sparsity=0.75, sparse_factor="both",
                          dtype=torch.float64, generator=g)  # fmt: skip
     with torch.no_grad():
         m.lora_b.values.copy_(torch.randn(m.lora_b.values.shape, generator=g))
@@ -205,7 +205,7 @@ def test_full_drop_on_both_sparse_factors_is_refused():
     """drop_fraction=1.0 with both factors FFI would zero both, and zero factors get zero
     gradients forever: refused before anything changes. One dense factor regrows the other."""
     g = torch.Generator().manual_seed(6)
-    m = SparseLoRALinear(32, 24, rank=4, alpha=8.0, sparsity=0.5, sparse_factor="both",
+    m = sparse_lora_linear(32, 24, rank=4, alpha=8.0, sparsity=0.5, sparse_factor="both",
                          generator=g)  # fmt: skip
     with torch.no_grad():
         m.lora_b.values.copy_(torch.randn(m.lora_b.values.shape, generator=g))
@@ -224,7 +224,7 @@ def test_full_drop_on_both_sparse_factors_is_refused():
     assert not m.lora_a.values.grad.any() and not m.lora_b.values.grad.any()
 
     # With a dense B, replacing all of A is allowed and A gets a gradient again at once.
-    m = SparseLoRALinear(32, 24, rank=4, alpha=8.0, sparsity=0.5, sparse_factor="a", generator=g)
+    m = sparse_lora_linear(32, 24, rank=4, alpha=8.0, sparsity=0.5, sparse_factor="a", generator=g)
     with torch.no_grad():
         m.lora_b.weight.copy_(torch.randn(m.lora_b.weight.shape, generator=g))
     assert update_masks(torch.nn.Sequential(m), None, 1.0, random_growth=True) == {"0.lora_a": 16}

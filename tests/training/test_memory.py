@@ -8,7 +8,7 @@ from torch import nn
 from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.modules.peft import LoRALinear
 
-from squash.modules import FFILinear, SparseLoRALinear, swap_lora_linear
+from squash.modules import FFILinear, sparse_lora_linear, swap_lora_linear
 from squash.training import (
     adapted_shapes,
     adapter_memory,
@@ -21,9 +21,9 @@ from squash.training import (
 def tiny_model(dtype):
     return nn.Sequential(
         # A: 4 x k with k = round(0.1 * 64) = 6 -> 24 values; B dense 32 x 4 = 128.
-        SparseLoRALinear(64, 32, rank=4, alpha=8.0, sparsity=0.9, sparse_factor="a", dtype=dtype),
+        sparse_lora_linear(64, 32, rank=4, alpha=8.0, sparsity=0.9, sparse_factor="a", dtype=dtype),
         # A: 8 x round(0.25 * 32) = 8 x 8 = 64; B: 64 x round(0.25 * 8) = 64 x 2 = 128.
-        SparseLoRALinear(
+        sparse_lora_linear(
             32, 64, rank=8, alpha=16.0, sparsity=0.75, sparse_factor="both", dtype=dtype
         ),  # fmt: skip
         # Dense torchtune LoRA: 4 x 64 + 64 x 4 = 512.

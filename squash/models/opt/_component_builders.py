@@ -50,7 +50,7 @@ from squash.models.opt._decoder import (
     OPTLearnedPositionalEmbedding,
     OPTPostNormLayer,
 )
-from squash.modules import FlatTiedLinear, NF4LoRALinear, SparseLoRALinear, get_adapter_modules
+from squash.modules import FlatTiedLinear, NF4LoRALinear, get_adapter_modules, sparse_lora_linear
 from squash.nf4 import check_nf4_shape, install_torchao_extensions
 from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
 
@@ -335,7 +335,7 @@ def lora_opt(
             lora_cls = NF4LoRALinear if quantize_base else LoRALinear
             return _init_base_(lora_cls(in_dim, out_dim, **lora_args), init_std)
         weight, bias = _opt_base(in_dim, out_dim, init_std)  # OPT's init, before any svd init
-        return SparseLoRALinear(
+        return sparse_lora_linear(
             in_dim,
             out_dim,
             sparsity=sparsity,
