@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
@@ -37,6 +36,7 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
+from squash.training.heldout import next_token_loss
 from squash.training.model_setup import load_base, setup_frozen_model
 from squash.training.overrides import overrides_in_one_line
 
@@ -150,15 +150,8 @@ class SquashEvalRecipe(EvalRecipeInterface):
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
             seconds += time.perf_counter() - t0
-            labels = labels[:, 1:]  # predict token t+1 at position t
-            logits = logits[:, :-1].float()
-            loss_sum += F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                labels.reshape(-1),
-                ignore_index=self._ignore_index,
-                reduction="sum",
-            ).double().cpu()
-            counted += int((labels != self._ignore_index).sum())
+            loss, n = next_token_loss(logits, labels, self._ignore_index)
+            loss_sum, counted = loss_sum + loss, counted + n
             input_tokens += int((batch["tokens"] != self._tokenizer.pad_id).sum())
             batches += 1
         if counted == 0:

@@ -19,9 +19,10 @@ the training loss is (labels shifted by one). The greedy answer decodes the argm
 the prompt (the tokens before the first label token) until a stop token or ``max_new_tokens``.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
@@ -37,6 +38,29 @@ def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     if isinstance(out, list):  # chunked output (CEWithChunkedOutputLoss)
         out = torch.cat(out, dim=1)
     return out.float()  # (b, s, vocab)
+
+
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_IDX
+) -> Tuple[torch.Tensor, int]:
+    """The summed cross-entropy of each position's prediction of the next label token: the one
+    place a held-out loss is computed (:func:`heldout_loss`, the ``squash_eval`` recipe).
+
+    Args:
+        logits (torch.Tensor): ``(b, s, vocab)``.
+        labels (torch.Tensor): ``(b, s)``; position ``t``'s logits are scored against
+            ``labels[:, t + 1]``, ``ignore_index`` left out.
+        ignore_index (int): the label of tokens outside the loss. Default -100.
+
+    Returns:
+        Tuple[torch.Tensor, int]: the sum (a float64 scalar on the CPU; each batch's sum is
+        reduced in float32 by ``cross_entropy``) and the number of label tokens scored.
+    """
+    targets = labels[:, 1:]
+    logits = logits[:, :-1].float()
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                            ignore_index=ignore_index, reduction="sum")  # fmt: skip
+    return total.double().cpu(), int((targets != ignore_index).sum())
 
 
 @torch.no_grad()
@@ -66,28 +90,18 @@ def heldout_loss(
     Raises:
         ValueError: if no sample has a label token.
     """
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64), 0
     for start in range(0, len(samples), batch_size):
         batch = padded_collate_sft(
             samples[start : start + batch_size], padding_idx=pad_id, ignore_idx=ignore_index
         )
         tokens = batch["tokens"].to(device)  # (b, s)
         labels = batch["labels"].to(device)  # (b, s)
-        # predict token t+1 at position t
-        targets = torch.cat(
-            (labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)), dim=1
-        )
-        logits = _logits(model, tokens)
-        total += torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)),
-            targets.reshape(-1),
-            ignore_index=ignore_index,
-            reduction="sum",
-        ).item()
-        count += int((targets != ignore_index).sum())
+        loss, n = next_token_loss(_logits(model, tokens), labels, ignore_index)
+        total, count = total + loss, count + n
     if count == 0:
         raise ValueError("the held-out samples have no label tokens to score")
-    return {"loss": total / count, "tokens": float(count)}
+    return {"loss": float(total / count), "tokens": float(count)}
 
 
 def prompt_tokens(

@@ -117,3 +117,21 @@ def test_the_prompt_runs_past_the_answer_turns_header():
     assert prompt_tokens(sample) == [10, 11]  # no answer known: up to the first label
     with pytest.raises(ValueError, match="no label tokens"):
         prompt_tokens({"tokens": [1, 2], "labels": [-100, -100]})
+
+
+def test_next_token_loss_against_a_float64_sum_by_hand():
+    from squash.training.heldout import next_token_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g)
+    labels = torch.tensor([[-100, -100, 3, 1, 6], [-100, 2, 0, -100, -100]])
+    total, count = next_token_loss(logits, labels)
+    want, n = 0.0, 0
+    for b in range(2):
+        for t in range(4):  # position t predicts labels[b, t + 1]
+            y = int(labels[b, t + 1])
+            if y != -100:
+                want -= float(torch.log_softmax(logits[b, t].double(), -1)[y])
+                n += 1
+    assert count == n == 5 and total.dtype == torch.float64
+    assert abs(float(total) - want) < 1e-5
