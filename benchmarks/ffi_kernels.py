@@ -138,6 +138,7 @@ def phase_rows(tokens, in_features, out_features, sparsities, dtype, calls_per_o
     g = torch.randn(tokens, out_features, generator=gen).to(dtype=dtype)
     buf = (ctypes.c_int64 * 4)()
     threads = torch.get_num_threads()
+    timed = make_timer("cpu")
     rows = []
     for s in sparsities:
         k = fan_in_for(in_features, s)
@@ -153,10 +154,7 @@ def phase_rows(tokens, in_features, out_features, sparsities, dtype, calls_per_o
                 fn()  # warm-up, untimed
                 lib.squash_ffi_cpu_phases(1)
                 lib.squash_ffi_cpu_phase_ns(buf)  # zero the counters
-                t0 = time.perf_counter()
-                for _ in range(calls_per_op):
-                    fn()
-                wall = (time.perf_counter() - t0) / calls_per_op * 1e3
+                wall = timed(lambda: [fn() for _ in range(calls_per_op)]) / calls_per_op
                 lib.squash_ffi_cpu_phases(0)
                 lib.squash_ffi_cpu_phase_ns(buf)
                 ns = list(buf)
