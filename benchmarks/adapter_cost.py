@@ -31,16 +31,12 @@ them alike.
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ffi_kernels import machine_line, make_timer  # noqa: E402
-from profile_step import DTYPES, OPT_350M, SMOLLM2  # noqa: E402
+from common import DTYPES, OPT_350M, SMOLLM2_135M, machine_line, make_timer
 
-LAYERS = {"smollm2": SMOLLM2["num_layers"], "opt350m": 24}
+LAYERS = {"smollm2": SMOLLM2_135M["num_layers"], "opt350m": OPT_350M["num_layers"]}
 PRODUCTS = ("A forward", "B forward", "B grad input", "B grad values", "A grad input",
             "A grad values")
 PASSES = ("scale", "add out", "scale grad", "add grad_x")
@@ -66,7 +62,7 @@ def parse_args(argv=None):
 
 def linears(model: str) -> list:
     """``[(name, in, out)]`` of one layer's adapted linears, from the model's sizes."""
-    m = SMOLLM2 if model == "smollm2" else OPT_350M
+    m = SMOLLM2_135M if model == "smollm2" else OPT_350M
     d, f = m["embed_dim"], m["intermediate_dim"]
     if model == "opt350m":
         return [("q", d, d), ("k", d, d), ("v", d, d), ("out", d, d), ("fc1", d, f), ("fc2", f, d)]
@@ -190,7 +186,7 @@ def measure(args, rank: int) -> list:
                           t={k: [] for k in ("squash on", "squash off", "dense on", "dense off",
                                              *PRODUCTS, *PASSES)}))  # fmt: skip
 
-    timed = make_timer(dev)
+    timed = make_timer(dev, events=True)
 
     def step(mod, disabled, c):
         def run():

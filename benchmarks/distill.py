@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
+from common import machine_line
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is no package and not installed
 import distill_teacher  # noqa: E402
-from ffi_kernels import machine_line  # noqa: E402
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 ARMS = {  # name: (task_weight, kd_weight, squarehead_weight)
@@ -113,13 +113,9 @@ def main(argv=None) -> int:
     pre.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny")
     known, rest = pre.parse_known_args(argv)
     if known.model == "smollm2":  # the real model: benchmarks/distill_smollm2.py
-        import importlib.util
+        import distill_smollm2
 
-        path = Path(__file__).resolve().parent / "distill_smollm2.py"
-        spec = importlib.util.spec_from_file_location("distill_smollm2", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.main(rest)
+        distill_smollm2.main(rest)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny",

@@ -44,7 +44,6 @@ and ``.json`` beside it after every arm, so a run cut short keeps what it finish
 import argparse
 import contextlib
 import gc
-import importlib.util
 import math
 import os
 import shutil
@@ -58,29 +57,17 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # the recipe's progress bar, once pe
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+# quality_smollm2.py: the checkpoint download, the command line's sizes (sized_run), quiet
+# recipe logs, a timed recipe run (set_up_train_score), the atomic table and json writer, an
+# arm's splits and runs (run_splits, arm_runs: quality.py's sweep, then the seeds)
+import quality_smollm2 as _q  # noqa: E402
+from common import DTYPES, machine_line, mean_std, welch  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "configs" / "smollm2_135m_distill.yaml"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "recipes"))
-from ffi_kernels import machine_line  # noqa: E402
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"squash_bench_{name}", Path(__file__).resolve().parent / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# quality_smollm2.py: the checkpoint download, Welch's t, the command line's sizes
-# (sized_run), quiet recipe logs, a timed recipe run (set_up_train_score), the atomic table and
-# json writer, an arm's splits and runs (run_splits, arm_runs: quality.py's sweep, then the
-# seeds); through it quality.py's mean / sample std.
-_q = _load("quality_smollm2")
-ensure_checkpoint, welch, mean_std = _q.ensure_checkpoint, _q.welch, _q.mean_std
+sys.path.insert(0, str(ROOT / "recipes"))  # this checkout's squash_distill before an installed one
+ensure_checkpoint = _q.ensure_checkpoint
 
 ARMS = [  # key, name, (task_weight, kd_weight, squarehead_weight)
     dict(key="ce", name="plain CE", weights=(1, 0, 0)),
@@ -91,7 +78,6 @@ ARMS = [  # key, name, (task_weight, kd_weight, squarehead_weight)
 ARM_KEYS = [a["key"] for a in ARMS]
 # (arm, against): Welch's t of the first's test perplexity against the second's
 PAIRS = [("sh_kl", "kl"), ("kl", "ce"), ("sh_kl", "ce"), ("sh", "ce")]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Sized for ~45 minutes on a 2-core CPU (43 min measured with --threads 1, README): 16 runs
 # (4 arms x (2 sweep runs + 2 more seeds)).

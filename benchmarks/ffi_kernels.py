@@ -22,18 +22,17 @@ calls are timed with CUDA events.
 
 import argparse
 import math
-import os
-import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import squash
 from squash.sparsity import fan_in_for, random_ffi_indices
+
+from common import machine_line, make_timer
 
 FULL_GRID = {
     "in_features": [1024, 4096],
@@ -72,49 +71,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def machine_line(device: str, dtype: torch.dtype) -> str:
-    """One line naming the hardware, thread count, torch version and dtype."""
-    if device.startswith("cuda"):
-        hw = f"GPU {torch.cuda.get_device_name(torch.device(device))}"
-        if torch.version.hip is not None:
-            hw += f" (ROCm {torch.version.hip})"
-        elif torch.version.cuda is not None:
-            hw += f" (CUDA {torch.version.cuda})"
-        hw += f", fp32 matmul precision {torch.get_float32_matmul_precision()}"
-    else:
-        model = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-            model = names[0] if names else model
-        except OSError:
-            pass
-        hw = f"CPU {model}, {os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"
-    return f"{hw}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}"
-
-
-def make_timer(device: str) -> Callable[[Callable[[], object]], float]:
-    """A function that runs ``fn`` once and returns its wall time in milliseconds."""
-    if device.startswith("cuda"):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def timed(fn):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-
-        return timed
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return timed
-
-
 def bench_shape(tokens, in_features, out_features, sparsities, dtype, device, repeats, budget):
     """Median ms of the dense ops and of the FFI ops at every sparsity for one shape.
 
@@ -141,7 +97,7 @@ def bench_shape(tokens, in_features, out_features, sparsities, dtype, device, re
         )
         calls[(s, "grad_val")] = lambda idx=idx: torch.ops.squash.ffi_linear_grad_values(g, x, idx)
 
-    timed = make_timer(device)
+    timed = make_timer(device, events=True)
     samples = {key: [] for key in calls}
     with torch.inference_mode():
         round_s = sum(timed(fn) for fn in calls.values()) / 1e3  # warm-up: caches, allocator
@@ -182,6 +138,7 @@ def phase_rows(tokens, in_features, out_features, sparsities, dtype, calls_per_o
     g = torch.randn(tokens, out_features, generator=gen).to(dtype=dtype)
     buf = (ctypes.c_int64 * 4)()
     threads = torch.get_num_threads()
+    timed = make_timer("cpu")
     rows = []
     for s in sparsities:
         k = fan_in_for(in_features, s)
@@ -197,10 +154,7 @@ def phase_rows(tokens, in_features, out_features, sparsities, dtype, calls_per_o
                 fn()  # warm-up, untimed
                 lib.squash_ffi_cpu_phases(1)
                 lib.squash_ffi_cpu_phase_ns(buf)  # zero the counters
-                t0 = time.perf_counter()
-                for _ in range(calls_per_op):
-                    fn()
-                wall = (time.perf_counter() - t0) / calls_per_op * 1e3
+                wall = timed(lambda: [fn() for _ in range(calls_per_op)]) / calls_per_op
                 lib.squash_ffi_cpu_phases(0)
                 lib.squash_ffi_cpu_phase_ns(buf)
                 ns = list(buf)

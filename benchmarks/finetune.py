@@ -63,21 +63,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune_plot  # noqa: E402
-from ffi_kernels import machine_line  # noqa: E402
-from profile_step import dense_rate, host_counters, host_since, model_flops  # noqa: E402
-
-from squash.models.smollm2._model_builders import SMOLLM2_135M  # noqa: E402
+import finetune_plot
+from common import (DTYPES, OPT_350M, SMOLLM2_135M, adapted_shapes, kernels, machine_line,
+                    make_timer)  # fmt: skip
+from profile_step import dense_rate, host_counters, host_since, model_flops
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-OPT_350M = dict(vocab_size=50_272, num_heads=16, embed_dim=1024, intermediate_dim=4096,
-                max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False)  # fmt: skip
-SMOLLM2 = {k: v for k, v in SMOLLM2_135M.items() if k != "num_layers"}  # layers: --layers
-FAMILIES = {"opt350m": ("OPT-350M", 24), "smollm2": ("SmolLM2-135M", 30)}  # name, layers
+SIZES = {"opt350m": OPT_350M, "smollm2": SMOLLM2_135M}  # squash's builders' sizes
+FAMILIES = {"opt350m": ("OPT-350M", OPT_350M["num_layers"]),
+            "smollm2": ("SmolLM2-135M", SMOLLM2_135M["num_layers"])}  # name, layers
 MODULES = ["q_proj", "k_proj", "v_proj", "output_proj"]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None):
@@ -104,7 +100,7 @@ def parse_args(argv=None):
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: one row's peak memory
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
-    sizes = OPT_350M if args.family == "opt350m" else SMOLLM2
+    sizes = {k: v for k, v in SIZES[args.family].items() if k != "num_layers"}  # --layers
     args.model = dict(sizes, vocab_size=args.vocab_size or sizes["vocab_size"])
     args.layers = args.layers or FAMILIES[args.family][1]
     if args.family == "smollm2" and not args.no_recipes and not args.checkpoint_dir:
@@ -120,11 +116,7 @@ def parse_args(argv=None):
 # ---- the rows -------------------------------------------------------------------------------------
 def shapes(args):
     """``(in, out)`` of every adapted linear."""
-    d, f = args.model["embed_dim"], args.model["intermediate_dim"]
-    if args.family == "opt350m":
-        return [(d, d)] * 4 * args.layers + [(d, f), (f, d)] * args.layers
-    kv = args.model["num_kv_heads"] * d // args.model["num_heads"]
-    return [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] * args.layers
+    return adapted_shapes(args.family, args.layers, args.model)
 
 
 def rows(args):
@@ -248,11 +240,6 @@ def train_step(model, optimizer, tokens, mask_update_drop=None):
     return loss.item()
 
 
-def _sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def base_state_dict(args, ckpt_dir: Path):
     from torchtune.training import FullModelHFCheckpointer
 
@@ -292,10 +279,12 @@ def write_random_checkpoint(args, path: Path) -> Path:
         transformers.LlamaForCausalLM(config).save_pretrained(path)
         return path
 
+    m = args.model
     config = transformers.OPTConfig(
-        vocab_size=args.model["vocab_size"], hidden_size=1024, num_hidden_layers=args.layers,
-        ffn_dim=4096, num_attention_heads=16, max_position_embeddings=2048,
-        word_embed_proj_dim=512, do_layer_norm_before=False, dropout=0.0,
+        vocab_size=m["vocab_size"], hidden_size=m["embed_dim"], num_hidden_layers=args.layers,
+        ffn_dim=m["intermediate_dim"], num_attention_heads=m["num_heads"],
+        max_position_embeddings=m["max_seq_len"], word_embed_proj_dim=m["word_embed_proj_dim"],
+        do_layer_norm_before=m["pre_norm"], dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.OPTForCausalLM(config).save_pretrained(path)
@@ -374,16 +363,14 @@ def time_rows(args, ckpt_dir: Path) -> list:
     rounds = [[] for _ in built]  # step seconds of each timed round; None: a mask-update step
     update_times = [[] for _ in built]
     host = [[] for _ in built]  # (minor page faults, system CPU s) of each timed round's step
+    timed = make_timer(args.device)
     for round_ in range(args.steps + 1):  # round 0 warms up
         for i, (label, model, optimizer, mask, _) in enumerate(built):
             drop = 0.3 if mask and round_ > 0 and round_ % args.mask_every == 0 else None
-            _sync(args.device)
             before = host_counters()
-            t0 = time.perf_counter()
-            train_step(model, optimizer, tokens, mask_update_drop=drop)
-            _sync(args.device)
+            ms = timed(lambda: train_step(model, optimizer, tokens, mask_update_drop=drop))
+            seconds = ms / 1e3
             if round_ > 0:
-                seconds = time.perf_counter() - t0
                 host[i].append(host_since(before))
                 rounds[i].append(None if drop is not None else seconds)
                 if drop is not None:
@@ -614,10 +601,7 @@ def _shapes_line(args) -> str:
 
 
 def _isa(device: str) -> str:
-    import squash.ops
-
-    info = squash.ops.status().get("cpu" if device == "cpu" else "cuda", {})
-    return f"FFI kernels: {info.get('backend', '?')} {info.get('isa', info.get('arch', ''))}".strip()
+    return f"FFI kernels: {kernels(device)}".strip()
 
 
 def write_results(out: Path, name: str, text: str, timed: list) -> None:

@@ -17,6 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from common import has_matplotlib, pyplot, save_png
+
 NUM = r"\d[\d,]*(?:\.\d+)?"
 SPREAD = re.compile(rf"({NUM}) \[({NUM})-({NUM})\]")
 # the table's columns; an "x" column is the ratio of the column before it, "<key>_x"
@@ -133,11 +135,7 @@ def plot(results: dict, path: Path):
     their data): horizontal bars of the rows' median step, whiskers min-max, the ``gid``
     ``floor`` line through the rows' matmul floors, the ``gid`` ``baseline`` line at the first
     row's median."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = results["rows"]
     y = list(range(len(rows)))
     med = [r["step_s"] for r in rows]
@@ -170,19 +168,13 @@ def plot(results: dict, path: Path):
     ax.set_title(f"{setup[0]}\n{'; '.join(setup[1:2] + [host])}, {results['date']}",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path)
     return fig
 
 
 def write_png(results: dict, path: Path):
     """``plot``, or one line saying that matplotlib is missing (then ``None``)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not has_matplotlib():
         print(NO_MATPLOTLIB)
         return None
     return plot(results, path)

@@ -38,8 +38,6 @@ import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +60,8 @@ from squash.nf4 import (  # noqa: E402
     split_outliers,
 )
 from squash.nf4.ops import nf4_dequantize  # noqa: E402
+
+from common import cpu_flags, cpu_model, pyplot, save_png  # noqa: E402
 
 
 # ---- text ---------------------------------------------------------------------------------------
@@ -193,15 +193,9 @@ def gap_closed(x: float, fp32: float, nf4: float) -> float:
 
 # ---- report -------------------------------------------------------------------------------------
 def host() -> dict:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        lscpu = ""
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
+    flags = cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "fma") if f in flags]
-    return dict(cpu=fields.get("Model name", platform.processor()).strip(), isa=isa,
-                threads=torch.get_num_threads(), torch=torch.__version__,
+    return dict(cpu=cpu_model(), isa=isa, threads=torch.get_num_threads(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime(
                     "%Y-%m-%d %H:%M UTC"))  # fmt: skip
 
@@ -250,13 +244,8 @@ def markdown(res: dict) -> str:
 
 def plot(res: dict, path: Path) -> None:
     """Perplexity against bits per parameter, one panel per evaluation text, fp32 as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sets = list(res["eval_windows"])
-    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
     styles = {"nf4": ("k", "s"), "outliers": (None, "o"), "loftq": (None, "^")}
     for ax, s in zip(axes[0], sets):
         series = {}
@@ -283,9 +272,7 @@ def plot(res: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"SmolLM2-135M-Instruct: NF4 bases before fine-tuning ({res['host']['date']})")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_json(res: dict, path: Path) -> None:

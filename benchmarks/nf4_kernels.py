@@ -17,22 +17,13 @@ the dequantization's GB/s (bytes read + written).
 import argparse
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ffi_kernels import machine_line  # noqa: E402
+from common import DTYPES, kernels, machine_line, make_timer
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1024, 1024), (4096, 1024)]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def bench(shape, dtype, device, tokens, rounds):
@@ -63,14 +54,12 @@ def bench(shape, dtype, device, tokens, rounds):
         "linear dense": step(F.linear, w),
     }
     samples = {k: [] for k in calls}
+    timed = make_timer(device)
     for r in range(rounds + 1):
         for k, fn in calls.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
+            ms = timed(fn)
             if r:  # round 0: warm-up
-                samples[k].append((time.perf_counter() - t0) * 1e3)
+                samples[k].append(ms)
     return same, samples
 
 
@@ -83,13 +72,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype]
     from squash.nf4 import nf4_block_sizes
-    from squash.ops import ensure_loaded, status
+    from squash.ops import ensure_loaded
 
     ensure_loaded("cpu" if args.device == "cpu" else "cuda")
-    st = status()["cpu" if args.device == "cpu" else "cuda"]
     print(f"# NF4: squash vs torchao ({args.device}, {args.tokens} tokens in the linear rows)")
-    print(f"# {machine_line(args.device, dtype)}; squash kernels: {st.get('backend')} "
-          f"{st.get('isa', st.get('arch', ''))}")  # fmt: skip
+    print(f"# {machine_line(args.device, dtype)}; squash kernels: {kernels(args.device)}")
     print("\n| shape | blocks | bitwise equal | dequant torchao ms | dequant squash ms | x | "
           "linear fwd+grad_x torchao ms | squash ms | x | dense ms | squash / dense |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

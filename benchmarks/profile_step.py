@@ -45,20 +45,13 @@ import argparse
 import contextlib
 import resource
 import sys
-import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ffi_kernels import machine_line  # noqa: E402
+from common import (DTYPES, OPT_350M, SMOLLM2_135M, adapted_shapes, kernels, machine_line,
+                    make_timer, sync)  # fmt: skip
 
-from squash.models.smollm2._model_builders import SMOLLM2_135M  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OPT_350M = dict(vocab_size=50_272, num_heads=16, embed_dim=1024, intermediate_dim=4096,
-                max_seq_len=2048, word_embed_proj_dim=512, pre_norm=False)  # fmt: skip
 SMOLLM2 = dict(SMOLLM2_135M, max_seq_len=2048)  # squash.models.smollm2's sizes
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 KINDS = ["NF4 dequantize", "base matmul", "adapter ops", "attention", "norms/activations",
@@ -123,13 +116,8 @@ def dense_rate(tokens: int, hidden: int, dtype, device: str, repeats: int = 5) -
     """This device's dense matmul FLOP/s on ``(tokens, hidden) x (hidden, 4 hidden)``."""
     a = torch.randn(tokens, hidden, dtype=dtype, device=device)
     b = torch.randn(hidden, 4 * hidden, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
+    timed = make_timer(device)
+    best = min(timed(lambda: a @ b) for _ in range(repeats + 1)) / 1e3  # seconds
     return 2 * tokens * hidden * 4 * hidden / best
 
 
@@ -167,18 +155,10 @@ def build(args):
     from squash.modules import flatten_tied_output, swap_lora_linear, use_squash_nf4_
 
     dtype = DTYPES[args.dtype]
-    if args.model == "opt350m":
-        cfg = dict(OPT_350M, num_layers=args.layers)
-        d, f = cfg["embed_dim"], cfg["intermediate_dim"]
-        shapes = [(d, d)] * 4 * args.layers + [(d, f), (f, d)] * args.layers
-        head_dim = d // cfg["num_heads"]
-    else:
-        cfg = dict(SMOLLM2, num_layers=args.layers or SMOLLM2["num_layers"])
-        d, f, hd = cfg["embed_dim"], cfg["intermediate_dim"], cfg["embed_dim"] // cfg["num_heads"]
-        kv = cfg["num_kv_heads"] * hd
-        per_layer = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
-        shapes = per_layer * cfg["num_layers"]
-        head_dim = hd
+    sizes = OPT_350M if args.model == "opt350m" else SMOLLM2
+    cfg = dict(sizes, num_layers=args.layers or sizes["num_layers"])
+    shapes = adapted_shapes(args.model, cfg["num_layers"])
+    head_dim = cfg["embed_dim"] // cfg["num_heads"]
     rank = args.rank
     if args.adapter == "squash":
         rank = squash_rank(shapes, args.rank, args.sparsity, args.sparse_factor, dtype)
@@ -204,11 +184,6 @@ def build(args):
 
 
 # ---- one profiled step --------------------------------------------------------------------------
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _kind_of_module(name: str, m: nn.Module):
     from torchtune.modules import MultiHeadAttention, RMSNorm
     from torchtune.modules.peft import LoRALinear
@@ -276,7 +251,7 @@ def train_step(model, optimizer, tokens, device):
     with torch.autograd.profiler.record_function("kind::optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    _sync(device)
+    sync(device)
     return loss.item()
 
 
@@ -371,11 +346,10 @@ def profile(args) -> dict:
     for _ in range(args.warmup):
         train_step(model, optimizer, tokens, args.device)
     walls, host = [], []
+    timed = make_timer(args.device)
     for _ in range(args.steps):
         before = host_counters()
-        t0 = time.perf_counter()
-        train_step(model, optimizer, tokens, args.device)
-        walls.append(time.perf_counter() - t0)
+        walls.append(timed(lambda: train_step(model, optimizer, tokens, args.device)) / 1e3)
         host.append(host_since(before))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
@@ -391,10 +365,6 @@ def profile(args) -> dict:
 
 
 def table(args, res) -> str:
-    from squash.ops import status
-
-    dev = "cpu" if args.device == "cpu" else "cuda"
-    st = status()[dev]
     total = sum(res["ms"].values())
     from squash.nf4.ops import backend
 
@@ -410,7 +380,7 @@ def table(args, res) -> str:
         f"{adapter} r={res['rank']}, {args.batch} x {args.seq_len} tokens"
         + (f", {args.head} head" if args.model == "smollm2" else ""),
         f"# {machine_line(args.device, DTYPES[args.dtype])}",
-        f"# squash kernels: {st.get('backend')} {st.get('isa', st.get('arch', ''))}; NF4 path: "
+        f"# squash kernels: {kernels(args.device)}; NF4 path: "
         f"{nf4_path}",
         "",
         "| kind | ms | share | matmul GFLOP |",

@@ -33,12 +33,9 @@ numbers, per seed and per learning rate, as ``.json`` beside it.
 import argparse
 import json
 import logging
-import math
 import os
-import platform
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +52,8 @@ from torchtune.datasets import instruct_dataset  # noqa: E402
 
 from squash.models.opt import opt, opt_tokenizer, opt_tune_to_hf  # noqa: E402
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
+
+from common import host, mean_std  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets" / "tiny_opt"
@@ -334,10 +333,6 @@ def _lr(lr: float) -> float:
     return float(f"{lr:.6g}")
 
 
-def mean_std(values: list) -> tuple:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 # ---- the table ------------------------------------------------------------------------------
 def markdown(res: dict) -> str:
     lines = [
@@ -405,13 +400,9 @@ def verdict(res: dict) -> str:
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["--model", "smollm2"]:  # the real model: benchmarks/quality_smollm2.py
-        import importlib.util
+        import quality_smollm2
 
-        path = Path(__file__).resolve().parent / "quality_smollm2.py"
-        spec = importlib.util.spec_from_file_location("quality_smollm2", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.main(argv[2:])
+        return quality_smollm2.main(argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--rank", type=int, default=8, help="QLoRA's rank r (default 8)")
@@ -505,9 +496,7 @@ def main(argv=None) -> dict:
         steps=size["steps"], batch=size["batch"], pretrain_steps=size["pretrain_steps"],
         n_train=n_train, n_val=size["n_val"], n_test=size["n_test"], sigma=sigma,
         shapes=adapted_shapes(), base=base_eval, reference=reference, arms=results,
-        test_records=files["test"],
-        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}",
+        test_records=files["test"], machine=host(),
     )  # fmt: skip
     res["wall_s"] = time.perf_counter() - t0
     res["verdict"] = verdict(res)

@@ -30,11 +30,9 @@ claimed by a lock held on an open file, each run writes its own json under
 
 import argparse
 import fcntl
-import importlib.util
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -49,13 +47,15 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa:
 
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
 
+from common import adapted_shapes as _shapes  # noqa: E402
+from common import has_matplotlib, host, mean_std, pyplot, save_png, welch  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "quality_curves"
 WORK = Path.home() / ".cache" / "squash" / "quality_curves"
 DEFAULT_CKPT = Path.home() / ".cache" / "squash" / "smollm2-135m-instruct"
 IGNORE = CROSS_ENTROPY_IGNORE_IDX
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
-HIDDEN, KV, MLP, LAYERS = 576, 3 * 64, 1536, 30  # SmolLM2-135M
 
 TASKS = {
     "unicode": dict(dataset="squash.datasets.unicode_names_dataset", max_seq_len=96),
@@ -71,9 +71,8 @@ SEEDS = [0, 1, 2]
 
 # ---- arms -----------------------------------------------------------------------------------
 def adapted_shapes() -> list:
-    layer = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN),
-             (HIDDEN, MLP), (MLP, HIDDEN), (HIDDEN, MLP)]  # fmt: skip
-    return layer * LAYERS
+    """``(in, out)`` of SmolLM2-135M's adapted linears: all seven of each of its 30 layers."""
+    return _shapes("smollm2")
 
 
 def rank_at(sparsity: float, factor: str, budget_rank: int = 16, dtype=torch.float32) -> int:
@@ -368,20 +367,6 @@ def write_json(path: Path, obj: dict) -> None:
     write_text(path, json.dumps(obj, indent=1))
 
 
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{model} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")  # fmt: skip
-
-
 def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: dict, ckpt: Path,
             out: Path, work: Path, data: dict, n_train: int, device: str, dtype: str,
             keep: bool = False) -> dict:  # fmt: skip
@@ -400,7 +385,7 @@ def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: di
                    n_train=n_train, device=device, dtype=dtype, points=[], done=False,
                    sessions=[])  # fmt: skip
     resume = bool(rec["points"])
-    rec["sessions"].append(dict(machine=machine(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    rec["sessions"].append(dict(machine=host(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
                                 resumed_at=rec["points"][-1]["step"] if resume else 0))  # fmt: skip
     cfg = OmegaConf.create(recipe_config(task, arm, lr, seed, frac, run_dir, ckpt, size, n_train,
                                          device, dtype, resume))  # fmt: skip
@@ -520,28 +505,7 @@ def _n_train(task: str) -> int:
     return len(python_doc_splits()["train"])
 
 
-# ---- statistics and the report -------------------------------------------------------------
-def mean_std(values: list) -> tuple:
-    """Mean and sample standard deviation (0 for one value)."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def welch(a: list, b: list) -> dict:
-    """Welch's t of ``mean(a) - mean(b)``, its Welch-Satterthwaite degrees of freedom and the
-    two-sided p; nan where either side has fewer than 2 values or neither has spread."""
-    nan = {"t": math.nan, "df": math.nan, "p": math.nan}
-    if len(a) < 2 or len(b) < 2:
-        return nan
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    if va + vb == 0:
-        return nan
-    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    from scipy.stats import t as student_t
-
-    return {"t": t, "df": df, "p": float(2 * student_t.sf(abs(t), df))}
-
-
+# ---- the report (mean_std, welch: common's) ------------------------------------------------
 def load_records(task_dir: Path) -> list:
     return [json.loads(p.read_text()) for p in sorted(task_dir.glob("*.json"))]
 
@@ -660,12 +624,7 @@ def task_report(task: str, records: list, size: dict) -> tuple:
 def plot(path: Path, groups: dict, task: str) -> None:
     """Test loss and exact match against step, one line per arm (mean over seeds) with the
     seeds' range shaded; full data solid, a quarter dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
     colors = {"qlora_r16": "tab:blue", "squash": "tab:red", "squash_a": "tab:orange",
               "lora_dense": "tab:gray"}  # fmt: skip
     for (key, frac), row in sorted(groups.items()):
@@ -682,11 +641,7 @@ def plot(path: Path, groups: dict, task: str) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"SmolLM2-135M-Instruct, task {task}: QLoRA r=16 against squash at equal memory")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path)
 
 
 def report(results: Path, tasks: list, size: dict, png_dir: Path = None) -> str:
@@ -699,7 +654,7 @@ def report(results: Path, tasks: list, size: dict, png_dir: Path = None) -> str:
         recs = load_records(results / task)
         text, groups = task_report(task, recs, size)
         lines += text
-        if groups and importlib.util.find_spec("matplotlib") is None:
+        if groups and not has_matplotlib():
             lines += ["(no plot: matplotlib is not installed; `pip install -e .[plot]`)", ""]
         elif groups:
             png = results / f"{task}.png"

@@ -44,9 +44,7 @@ import json
 import logging
 import math
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,30 +60,17 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa:
 
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
 
-
-def _load_quality():
-    """benchmarks/quality.py (the generated-task benchmark), loaded by path: its learning-rate
-    sweep, lr rounding and mean/std serve both scripts."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "squash_bench_quality", Path(__file__).resolve().parent / "quality.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_quality = _load_quality()
-sweep, _lr, mean_std = _quality.sweep, _quality._lr, _quality.mean_std
+from common import DTYPES, host, mean_std, welch  # noqa: E402
+from common import adapted_shapes as _shapes  # noqa: E402
+# benchmarks/quality.py (the generated-task benchmark): its learning-rate sweep and lr rounding
+# serve both scripts
+from quality import _lr, sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 IGNORE = CROSS_ENTROPY_IGNORE_IDX
 DEFAULT_CKPT = Path.home() / ".cache" / "squash" / "smollm2-135m-instruct"
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
-# SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, 30 layers.
-HIDDEN, KV, MLP, LAYERS = 576, 3 * 64, 1536, 30
 MAX_SEQ_LEN = 128  # the longest sample of the task is 65 tokens
 
 FULL = dict(steps=40, batch=8, n_val=110, n_test=110, grid=[1e-3, 3e-3], max_widen=1, seeds=3)
@@ -97,15 +82,13 @@ ARM_KEYS = ["qlora_r16", "squash_both_eq16", "qlora_r8", "squash_both_eq8", "squ
 PAIRS = [("squash_both_eq16", "qlora_r16"), ("squash_both_eq8", "qlora_r8"),
          ("squash_a_eq16", "qlora_r16"), ("squash_both_eq16_mask", "qlora_r16"),
          ("squash_both_eq16_rslora", "qlora_r16")]  # fmt: skip
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---- memory and arms ------------------------------------------------------------------------
 def adapted_shapes() -> list:
-    """``(in, out)`` of every adapted linear: q, k, v, output, w1, w2, w3 in each of 30 layers."""
-    layer = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN),
-             (HIDDEN, MLP), (MLP, HIDDEN), (HIDDEN, MLP)]  # fmt: skip
-    return layer * LAYERS
+    """``(in, out)`` of every adapted linear: q, k, v, output, w1, w2, w3 in each of 30 layers
+    (SmolLM2-135M: hidden 576, 9 query and 3 key/value heads of 64, MLP 1536)."""
+    return _shapes("smollm2")
 
 
 def arms(sparsity: float, dtype: torch.dtype) -> list:
@@ -206,22 +189,6 @@ def evaluate(model, samples: list, *, pad_id: int, stop_tokens: list, device, ba
         ce, tokens, exact, n = ce + c, tokens + t, exact + e, n + r
     model.train(was)
     return {"loss": ce / tokens, "exact_match": exact / n}
-
-
-# ---- statistics -----------------------------------------------------------------------------
-def welch(a: list, b: list) -> dict:
-    """Welch's t of ``mean(a) - mean(b)``, its Welch-Satterthwaite degrees of freedom and the
-    two-sided p; nan where either side has fewer than 2 values or both have no spread."""
-    if len(a) < 2 or len(b) < 2:
-        return {"t": math.nan, "df": math.nan, "p": math.nan}
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    if va + vb == 0:
-        return {"t": math.nan, "df": math.nan, "p": math.nan}
-    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    from scipy.stats import t as student_t
-
-    return {"t": t, "df": df, "p": float(2 * student_t.sf(abs(t), df))}
 
 
 # ---- runs -----------------------------------------------------------------------------------
@@ -411,20 +378,6 @@ def markdown(res: dict) -> str:
                 f"{_num(em['p'], '.3f')}) |"
             )
     return "\n".join(lines) + "\n"
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    isa = torch.backends.cpu.get_cpu_capability()
-    return (f"{model} ({isa}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}")  # fmt: skip
 
 
 def ensure_checkpoint(path) -> Path:
@@ -677,7 +630,7 @@ def main(argv=None) -> dict:
         quick=args.quick, sparsity=args.sparsity, seeds=len(seed_list), steps=size["steps"],
         batch=size["batch"], grid=size["grid"], n_train_available=n_train,
         n_val=len(data["val"]), n_test=len(data["test"]), device=args.device, dtype=args.dtype,
-        shapes=adapted_shapes(), machine=machine(), checkpoint=str(ckpt), base=None, arms=[],
+        shapes=adapted_shapes(), machine=host(), checkpoint=str(ckpt), base=None, arms=[],
         comparisons=[], argv=list(argv if argv is not None else sys.argv[1:]),
     )  # fmt: skip
 

@@ -2,14 +2,10 @@
 autograd computes, bit for bit; its split and table add up by hand; its rank is finetune.py's."""
 
 import re
-import sys
-from pathlib import Path
 
+import adapter_cost
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import adapter_cost  # noqa: E402
 
 
 @pytest.mark.parametrize("factor", ["both", "a", "b"])

@@ -8,12 +8,11 @@ import math
 import sys
 from pathlib import Path
 
+import distill
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "scripts"))
-import distill  # noqa: E402
 import distill_teacher  # noqa: E402
 
 

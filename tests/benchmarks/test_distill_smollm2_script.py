@@ -4,7 +4,6 @@ scipy, the recipe config against the recipe's own key checks; the perplexity aga
 transformers' ``LlamaForCausalLM`` loss on the same windows (smollm2); and one tiny ``--quick``
 run on the real checkpoint (smollm2, slow) whose table is recomputed from its json."""
 
-import importlib.util
 import json
 import math
 import statistics
@@ -12,14 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import distill_smollm2 as d
 import pytest
 import torch
 from scipy import stats
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("distill_smollm2", REPO / "benchmarks" / "distill_smollm2.py")
-d = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(d)
 
 
 def test_gap_closed_by_hand():

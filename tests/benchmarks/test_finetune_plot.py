@@ -4,25 +4,12 @@ are the ones worked out here, the picture draws those numbers (read back from th
 artists), ``finetune.py plot`` and the script's own writer put the JSON and the PNG where they
 say, and without matplotlib only the PNG is skipped, with one line saying why."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
+import finetune as ft
+import finetune_plot as fp
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    path = REPO / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fp = _load("finetune_plot")
 
 SETUP = ("SmolLM2-135M shapes, 2 of 30 layers, adapters on q, k, v, output, w1, w2, w3; "
          "1 x 32 = 32 tokens a step; AdamW; step = forward + backward + optimizer step, "
@@ -156,7 +143,6 @@ def test_plot_draws_the_parsed_values(tmp_path):
 
 def test_finetune_plot_command_redraws_from_markdown_or_json(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    ft = _load("finetune")
     md = tmp_path / "finetune_cpu_fp32_test.md"
     md.write_text(TABLE)
     assert ft.main(["plot", str(md), "--json", str(tmp_path / "n.json")]) == 0
@@ -177,7 +163,6 @@ def _timed():
 
 def test_the_script_writes_json_and_png_beside_its_markdown(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    ft = _load("finetune")
     ft.write_results(tmp_path, "finetune_cpu_fp32_test.md", TABLE, _timed())
     assert (tmp_path / "finetune_cpu_fp32_test.md").read_text() == TABLE
     got = json.loads((tmp_path / "finetune_cpu_fp32_test.json").read_text())
@@ -190,7 +175,6 @@ def test_the_script_writes_json_and_png_beside_its_markdown(tmp_path, capsys):
 
 
 def test_without_matplotlib_only_the_png_is_skipped_in_one_line(tmp_path, monkeypatch, capsys):
-    ft = _load("finetune")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert fp.write_png(fp.parse_markdown(TABLE), tmp_path / "x.png") is None
     assert capsys.readouterr().out == fp.NO_MATPLOTLIB + "\n" and not (tmp_path / "x.png").exists()

@@ -4,22 +4,19 @@ models), its ranks are the largest that fit, its matmul floor is the step's FLOP
 hand divided by the rate it prints, and its ratio columns are the quotients of its other columns
 (no timing is asserted). The recipe rows are checked on logs written here by hand."""
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import finetune as ft
 import pytest
 import torch
 
 from squash.training import lora_adapter_memory, max_rank_within
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("finetune_bench", REPO / "benchmarks" / "finetune.py")
-ft = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ft)
 
 
 # one layer of each: (in, out) of the adapted linears, of the other frozen linears (OPT's

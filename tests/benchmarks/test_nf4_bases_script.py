@@ -3,24 +3,14 @@ each base's weights equal an independent construction, bits are counted from the
 model is restored after every arm; end to end (with SmolLM2's tokenizer) its JSON matches direct
 computations."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
+import nf4_bases as nb
 import pytest
 import torch
 
 from squash.nf4.quantize import nf4_block_sizes, to_nf4
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("nf4_bases", REPO / "benchmarks" / "nf4_bases.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _tiny(vocab=256):
@@ -44,7 +34,6 @@ def _hf_perplexity(model, tokens):
 
 
 def test_perplexity_equals_transformers_loss():
-    nb = _script()
     model = _tiny()
     tokens = torch.randint(0, 256, (5, 16))
     got = nb.perplexity(model, tokens, batch=2)
@@ -53,7 +42,6 @@ def test_perplexity_equals_transformers_loss():
 
 
 def test_arms_replace_the_projections_and_restore_them():
-    nb = _script()
     model = _tiny()
     tokens = torch.randint(0, 256, (4, 16))
     originals = {k: m.weight.detach().clone() for k, m in nb.linears(model).items()}
@@ -110,7 +98,6 @@ def test_end_to_end_json(tmp_path, smollm2_checkpoint):
     """main() on a tiny random Llama saved with SmolLM2's tokenizer."""
     import shutil
 
-    nb = _script()
     ckpt = tmp_path / "tiny"
     model = _tiny(vocab=49152)
     model.save_pretrained(ckpt)

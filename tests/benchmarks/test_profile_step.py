@@ -2,14 +2,9 @@
 from a built model, and its classification of one profiled step (a dense base has no NF4 time, a
 quantized one does, through squash's kernel)."""
 
-import sys
-from pathlib import Path
-
+import profile_step
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import profile_step  # noqa: E402
 
 
 def test_step_flops_by_hand():

@@ -4,7 +4,6 @@ against scipy, the report's means and spreads against the per-seed values; and (
 a ``--quick`` run of every stage whose final points equal a direct evaluation of the saved
 adapters by another scorer and by greedy decoding."""
 
-import importlib.util
 import json
 import math
 import os
@@ -14,20 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import quality_curves as qc
 import torch
 from scipy import stats
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-qc = _load("quality_curves")
 
 
 def record(arm, lr, seed, val, test=(1.0, 0.0), frac=1.0, steps=200, losses=None):
@@ -302,7 +292,8 @@ def evaluate_saved(task, rec, run_dir, ckpt, size):
     tok = smollm2_tokenizer(str(ckpt), max_seq_len=qc.TASKS[task]["max_seq_len"])
     samples = qc.load_split(task, tok, "test", size["n_test"])
     if task == "unicode":
-        qs = _load("quality_smollm2")
+        import quality_smollm2 as qs
+
         return qs.evaluate(model, [{k: s[k] for k in ("tokens", "labels")} for s in samples],
                            pad_id=tok.pad_id, stop_tokens=list(tok.stop_tokens), device="cpu")  # fmt: skip
     ce = n = hits = 0

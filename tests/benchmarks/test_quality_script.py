@@ -127,12 +127,10 @@ def test_evaluate_scores_known_predictors(tmp_path):
     """The script's evaluation on models whose scores are known: uniform logits give loss
     ln(vocab) and no exact match; logits one-hot on the true next token give exact match 1; one
     wrong answer token in every other example halves it."""
-    import importlib.util
     import math
 
-    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
-    q = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(q)
+    import quality as q
+
     sigma = q.make_sigma(1)
     seqs = q.make_splits(0, 0, 8, 0)["val"]
     path = q.write_json(tmp_path / "val.json", [q.record("code", s, sigma) for s in seqs])

@@ -4,7 +4,6 @@ definition, Welch's t against scipy, means and spreads against the per-seed valu
 ``--quick`` run on the real checkpoint (smollm2, slow) whose table agrees with its per-seed
 values."""
 
-import importlib.util
 import json
 import math
 import statistics
@@ -13,13 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import quality_smollm2 as q
 import torch
 from scipy import stats
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("quality_smollm2", REPO / "benchmarks" / "quality_smollm2.py")
-q = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(q)
 
 
 def hand_bytes(rank, sparsity, factor, elem):

@@ -1,0 +1,187 @@
+"""What the benchmark scripts share: dtypes by name, device sync and one timer, the host's
+description, model sizes (squash's own builders' sizes), the adapted shapes, the seed statistics
+and the PNG writer.
+
+A script imports it as ``import common`` (or ``from common import ...``): run as
+``python benchmarks/X.py`` its own folder is first on ``sys.path``; the tests put this folder
+there once (``tests/benchmarks/conftest.py``). The scripts import each other the same way.
+"""
+
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from squash.models.opt._model_builders import _OPT_SIZES
+from squash.models.smollm2._model_builders import SMOLLM2_135M
+
+__all__ = ["DTYPES", "OPT_350M", "SMOLLM2_135M", "adapted_shapes", "cpu_flags", "cpu_model",
+           "has_matplotlib", "host", "kernels", "machine_line", "make_timer", "mean_std",
+           "pyplot", "save_png", "sync", "welch"]  # fmt: skip
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# ---- model sizes ----------------------------------------------------------------------------
+# squash's builders' sizes (`opt_350m`, `smollm2_135m`), with `num_layers`: all of the model's.
+OPT_350M = dict(_OPT_SIZES["350m"])
+
+
+def adapted_shapes(family: str, layers: int = None, sizes: dict = None) -> list:
+    """``(in, out)`` of every adapted linear, layer by layer: OPT's q, k, v, output, fc1, fc2;
+    SmolLM2's (Llama's) q, k, v, output, w1, w2, w3 (torchtune's order: gate, down, up).
+
+    Args:
+        family (str): ``"opt350m"`` or ``"smollm2"``.
+        layers (int): decoder layers (default: all of the model's).
+        sizes (dict): the model's sizes (default :data:`OPT_350M` or :data:`SMOLLM2_135M`).
+    """
+    m = sizes or (OPT_350M if family == "opt350m" else SMOLLM2_135M)
+    d, f = m["embed_dim"], m["intermediate_dim"]
+    layers = layers or m["num_layers"]
+    if family == "opt350m":
+        return [(d, d)] * 4 * layers + [(d, f), (f, d)] * layers
+    kv = m["num_kv_heads"] * d // m["num_heads"]
+    return [(d, d), (d, kv), (d, kv), (d, d), (d, f), (f, d), (d, f)] * layers
+
+
+# ---- devices and timing ---------------------------------------------------------------------
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_timer(device: str, events: bool = False) -> Callable[[Callable[[], object]], float]:
+    """A function that runs ``fn`` once and returns its time in milliseconds: the wall clock
+    between two device syncs, or, on a CUDA device with ``events``, the GPU's time between two
+    CUDA events around the call. Warm-up, repeats and the statistic over them are the caller's."""
+    if events and device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def timed(fn):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return timed
+
+    def timed(fn):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return (time.perf_counter() - t0) * 1e3
+
+    return timed
+
+
+# ---- the host -------------------------------------------------------------------------------
+def _cpuinfo(key: str) -> str:
+    """The first ``key`` line's value in ``/proc/cpuinfo`` (``""`` where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == key:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name, or (without ``/proc/cpuinfo``) what ``platform`` knows."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where it has none)."""
+    return _cpuinfo("flags").split()
+
+
+def machine_line(device: str, dtype: torch.dtype) -> str:
+    """One line naming the hardware, thread count, torch version and dtype (the timing tables'
+    line; ``finetune_plot.py`` reads it back: its fields are ``; ``-separated)."""
+    if device.startswith("cuda"):
+        hw = f"GPU {torch.cuda.get_device_name(torch.device(device))}"
+        if torch.version.hip is not None:
+            hw += f" (ROCm {torch.version.hip})"
+        elif torch.version.cuda is not None:
+            hw += f" (CUDA {torch.version.cuda})"
+        hw += f", fp32 matmul precision {torch.get_float32_matmul_precision()}"
+    else:
+        hw = (f"CPU {cpu_model()}, {os.cpu_count()} logical cores, "
+              f"{torch.get_num_threads()} torch threads")  # fmt: skip
+    return f"{hw}; torch {torch.__version__}; dtype {str(dtype).replace('torch.', '')}"
+
+
+def host() -> str:
+    """The CPU host of a quality run: model (torch's ISA), CPUs, torch threads, torch and Python
+    versions (``quality_curves.py`` groups its runs' sessions by this text)."""
+    return (f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")  # fmt: skip
+
+
+def kernels(device: str) -> str:
+    """``"<backend> <ISA or GPU arch>"`` of squash's kernels for ``device`` (as loaded so far)."""
+    import squash.ops
+
+    st = squash.ops.status().get("cpu" if device == "cpu" else "cuda", {})
+    return f"{st.get('backend', '?')} {st.get('isa', st.get('arch', ''))}"
+
+
+# ---- statistics over seeds ------------------------------------------------------------------
+def mean_std(values: list) -> tuple:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def welch(a: list, b: list) -> dict:
+    """Welch's t of ``mean(a) - mean(b)``, its Welch-Satterthwaite degrees of freedom and the
+    two-sided p; nan where either side has fewer than 2 values or neither has spread."""
+    nan = {"t": math.nan, "df": math.nan, "p": math.nan}
+    if len(a) < 2 or len(b) < 2:
+        return nan
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return nan
+    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    from scipy.stats import t as student_t
+
+    return {"t": t, "df": df, "p": float(2 * student_t.sf(abs(t), df))}
+
+
+# ---- pictures -------------------------------------------------------------------------------
+def has_matplotlib() -> bool:
+    """Whether matplotlib (the ``plot`` extra) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: Path) -> None:
+    """``fig`` as a PNG at ``path`` (110 dpi), written to a temporary file and renamed; the
+    figure is closed."""
+    plt = pyplot()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
