@@ -22,10 +22,11 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.export import adapters
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.training import checkpoint as ckpt
 from squash.training import resume_config, run_dir
-from squash.training import data, exports, resume, steps
+from squash.training import data, resume, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -303,9 +304,9 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
     def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
         """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
         name = name or f"epoch_{epoch}"
-        model_exports = exports.checkpoint_exports(
-            exports.state_to_export(self._model, adapter_only=self._adapter_only),
-            exports.adapter_layout(self._model),
+        model_exports = adapters.checkpoint_exports(
+            adapters.state_to_export(self._model, adapter_only=self._adapter_only),
+            adapters.adapter_layout(self._model),
             self._model_cfg,
             dtype=self._dtype,
             adapter_only=self._adapter_only,

@@ -21,10 +21,11 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.export import adapters
 from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
-from squash.training import data, exports, resume, steps
+from squash.training import data, resume, steps
 from squash.training import distributed as sq_dist
 from squash.training import run_dir
 from squash.training.config_checks import (
@@ -269,7 +270,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             shard=shard,
             cpu_offload=self._cpu_offload,
         )
-        self._layout = exports.adapter_layout(model)
+        self._layout = adapters.adapter_layout(model)
         if self._debug:
             sq_dist.check_replicated(model)
         self._act_ctx = training.get_act_offloading_ctx_manager(model, self._act_offload)
@@ -287,7 +288,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         ``squash_finetune`` does. Every rank must call it; returns the path on rank 0."""
         name = name or f"epoch_{epoch}"
         at_epoch_end = name.startswith("epoch_")
-        state = exports.state_to_export(
+        state = adapters.state_to_export(
             self._model,
             adapter_only=self._adapter_only,
             is_rank_zero=self._is_rank_zero,
@@ -302,7 +303,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         )
         path = None
         if self._is_rank_zero:
-            model_exports = exports.checkpoint_exports(
+            model_exports = adapters.checkpoint_exports(
                 state,
                 self._layout,
                 self._model_cfg,

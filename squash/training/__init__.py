@@ -6,14 +6,14 @@
   and the mask update around a step;
 - :mod:`~squash.training.mask_schedule`: when masks move and by how much;
 - :mod:`~squash.training.mask_update`: prune and regrow at constant fan-in;
-- :mod:`~squash.training.exports`: squash adapter, PEFT adapter and merged weights from one
-  full state dict;
 - :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading;
 - :mod:`~squash.training.resume`: the recipe state, finding it and restoring it;
 - :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers;
 - :mod:`~squash.training.memory`: adapter memory accounting.
 
-The OPT checkpointer lives with the model, in :mod:`squash.models.opt`.
+The OPT checkpointer lives with the model, in :mod:`squash.models.opt`; what a checkpoint
+exports of the model (squash adapter, PEFT adapter, merged weights) lives below training, in
+:mod:`squash.export.adapters`.
 """
 
 from squash.training.mask_update import (

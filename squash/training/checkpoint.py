@@ -11,11 +11,11 @@ the OPT checkpointer uses too, and :func:`clean_stale_temporaries` undoes an int
   ``model.state_dict()``, and how to rebuild the model (the ``model`` config block).
 - ``adapter/adapter_model.safetensors`` + ``adapter/adapter_config.json``: the adapter in PEFT's
   format (``PeftModel.from_pretrained(model, "<dir>/adapter")``), every sparse factor written
-  dense (:func:`squash.training.exports.dense_adapter`), written by the model's checkpointer
+  dense (:func:`squash.export.adapters.dense_adapter`), written by the model's checkpointer
   (which knows the family's key names); ``adapter/adapter_model.pt`` holds what the
   checkpointer was given: the same dense factors with torchtune's keys. In a subdirectory, because transformers would apply an adapter it finds
   beside merged weights a second time.
-- unless ``adapter_only``: the merged model (:func:`squash.training.exports.merged_weights`,
+- unless ``adapter_only``: the merged model (:func:`squash.export.adapters.merged_weights`,
   NF4 bases dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
 - ``checkpoint.json``: epoch and global step, the counters, the sha256 and size of every other
@@ -40,7 +40,7 @@ from squash._io import atomic_directory, clean_stale_temporaries  # noqa: F401  
 from squash.training import manifest, run_dir
 
 if TYPE_CHECKING:
-    from squash.training.exports import Exports
+    from squash.export.adapters import Exports
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def write_checkpoint(
         output_dir (Path): the run's output directory.
         name (str): ``epoch_N`` or ``step_N``.
         checkpointer (Any): the model's checkpointer.
-        exports (Exports): what :func:`squash.training.exports.checkpoint_exports` made of the
+        exports (Exports): what :func:`squash.export.adapters.checkpoint_exports` made of the
             model: squash's adapter and config, and what ``checkpointer.save_checkpoint`` takes
             (``model``, ``adapter``, ``adapter_config``).
         recipe_state (Dict[str, Any]): :func:`squash.training.resume.recipe_state`.
@@ -235,7 +235,7 @@ def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source
     Raises:
         ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
     """
-    from squash.training.exports import adapter_state
+    from squash.export.adapters import adapter_state
 
     check_adapter_fits(adapter_state(model), adapter, source)
     try:

@@ -8,8 +8,8 @@ import torch
 
 from squash.modules import SparseLoRALinear
 from squash.training import checkpoint as ckpt
-from squash.training import exports
-from squash.training.exports import Exports
+from squash.export import adapters
+from squash.export.adapters import Exports
 
 
 class _Writer:
@@ -99,11 +99,11 @@ def test_merged_state_dict_is_base_plus_scaled_product_of_dense_factors():
     model = torch.nn.ModuleDict({"proj": module})
     a_dense = torch.zeros(4, 32).scatter_(1, module.lora_a.indices.long(), module.lora_a.values)
     expected = module.weight + 2.0 * module.lora_b.weight @ a_dense  # alpha / rank = 2
-    layout = exports.adapter_layout(model)
-    merged = exports.merged_weights(model.state_dict(), layout, torch.float32)
+    layout = adapters.adapter_layout(model)
+    merged = adapters.merged_weights(model.state_dict(), layout, torch.float32)
     assert sorted(merged) == ["proj.bias", "proj.weight"]
     torch.testing.assert_close(merged["proj.weight"], expected)
-    dense = exports.dense_adapter(model.state_dict(), layout)
+    dense = adapters.dense_adapter(model.state_dict(), layout)
     torch.testing.assert_close(dense["proj.lora_a.weight"], a_dense)
 
 
@@ -121,7 +121,7 @@ def test_adapter_state_is_the_adapter_part_of_the_full_state_dict():
     })  # fmt: skip
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([checkpoint_wrapper(layer)])})
     full = {k: v for k, v in model.state_dict().items() if ".lora_a." in k or ".lora_b." in k}
-    own = exports.adapter_state(model)
+    own = adapters.adapter_state(model)
     assert sorted(own) == sorted(full) and len(full) == 6  # q: values+indices x2; v: 2 weights
     assert all(torch.equal(own[k], full[k]) for k in full)
     assert not any("_checkpoint_wrapped_module" in k for k in own)

@@ -2,7 +2,7 @@
 merged weights, all computed from one full state dict.
 
 The full state dict is ``model.state_dict()`` on one device, or what an FSDP2 run gathers on
-rank 0 (``training.gather_cpu_state_dict``), and only the adapter's tensors for an adapter-only
+rank 0 (torchtune's ``training.gather_cpu_state_dict``), and only the adapter's tensors for an adapter-only
 checkpoint: every recipe takes it from :func:`state_to_export`. :func:`adapter_layout` reads
 what the tensors do not say (each adapter's scaling, rank and factor widths) from the model's
 structure, which may be sharded or on the meta device. Every recipe calls :func:`checkpoint_exports`, so the files a
@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune import training
 
-from squash.modules.adapter import (  # noqa: F401  (exports.* as before)
+from squash._io import to_plain
+from squash.modules.adapter import (  # noqa: F401  (adapters.* as before)
     AdapterLayout,
     adapter_layout,
     dense_adapter,
@@ -204,8 +205,6 @@ def checkpoint_exports(
         svd_init (Optional[Dict[str, torch.Tensor]]): with ``model.init: svd``, the dense
             initial factors (see :func:`peft_adapter`).
     """
-    from squash.training.config_checks import to_plain
-
     config = peft_config(model_cfg, layout)
     adapter, adapter_config = peft_adapter(dense_adapter(full_sd, layout), config, svd_init)
     state: Dict[str, Any] = {training.ADAPTER_KEY: adapter, training.ADAPTER_CONFIG: adapter_config}
