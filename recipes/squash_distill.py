@@ -35,7 +35,7 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
-from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
+from squash.training.masks import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import assemble_adapter_model, load_base, setup_frozen_model
 from squash.training.heldout import setup_heldout
 from squash.training.run import (

@@ -36,8 +36,7 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
-from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
-from squash.training.mask_update import record_dense_grads
+from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
 from squash.training.model_setup import assemble_adapter_model, load_base
 from squash.training.run import (
     close_metric_logger,

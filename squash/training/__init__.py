@@ -4,8 +4,8 @@
 - :mod:`~squash.training.data`: the resumable data loader and the steps an epoch makes;
 - :mod:`~squash.training.steps`: the optimizer step, the lr schedule, profiler and logged stats,
   and the mask update around a step;
-- :mod:`~squash.training.mask_schedule`: when masks move and by how much;
-- :mod:`~squash.training.mask_update`: prune and regrow at constant fan-in;
+- :mod:`~squash.training.masks`: when masks move and by how much, and prune and regrow at
+  constant fan-in;
 - :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading;
 - :mod:`~squash.training.resume`: the recipe state, finding it and restoring it;
 - :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers;
@@ -16,7 +16,7 @@ exports of the model (squash adapter, PEFT adapter, merged weights) lives below 
 :mod:`squash.export.adapters`.
 """
 
-from squash.training.mask_update import (
+from squash.training.masks import (
     cosine_drop_fraction,
     prune_and_regrow,
     record_dense_grads,
