@@ -25,7 +25,7 @@ from tqdm import tqdm
 from squash.export import adapters
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.training import checkpoint as ckpt
-from squash.training import resume_config, run_dir
+from squash.training import run_dir
 from squash.training import data, resume, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
@@ -218,7 +218,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )
         if recipe_state is not None:
             self._optimizer.load_state_dict(recipe_state["optimizer"])
-            resume_config.check_optimizer_state(self._model, self._optimizer, resume_dir)
+            resume.check_optimizer_state(self._model, self._optimizer, resume_dir)
         self._loss_fn = config.instantiate(cfg.loss)
         self._kd_loss_fn = (
             config.instantiate(cfg.kd_loss)

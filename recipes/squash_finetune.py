@@ -19,7 +19,7 @@ from tqdm import tqdm
 from squash.export import adapters, parse_export_config
 from squash.merge import export_checkpoint, missing_exports
 from squash.training import checkpoint as ckpt
-from squash.training import resume_config, run_dir
+from squash.training import run_dir
 from squash.training import data, resume, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
@@ -169,7 +169,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         if recipe_state is not None:
             self._optimizer.load_state_dict(recipe_state["optimizer"])
-            resume_config.check_optimizer_state(self._model, self._optimizer, resume_dir)
+            resume.check_optimizer_state(self._model, self._optimizer, resume_dir)
         self._loss_fn = config.instantiate(cfg.loss)
         if cfg.get("compile", False):
             self._loss_fn = training.compile_loss(self._loss_fn)

@@ -155,9 +155,21 @@ def _numbered(output_dir: Path, prefix: str) -> List[Tuple[int, Path]]:
 
 
 # ---- reading --------------------------------------------------------------------------------------
-def latest_checkpoint(output_dir: Path) -> Optional[Path]:
+def latest_checkpoint(output_dir: Path, *, refuse_damaged: bool = False) -> Optional[Path]:
     """The complete checkpoint directory (``epoch_N`` or ``step_N``) with the highest global
-    step in ``output_dir``, or None. An epoch checkpoint wins a tie with a step checkpoint."""
+    step in ``output_dir``, or None. An epoch checkpoint wins a tie with a step checkpoint.
+    squash's one search for the newest checkpoint (resume calls it with ``refuse_damaged``).
+
+    Args:
+        output_dir (Path): a run's output directory.
+        refuse_damaged (bool): raise on an ``epoch_N``/``step_N`` directory whose
+            ``checkpoint.json`` is missing or damaged instead of skipping it (resume: skipping
+            it would resume an older checkpoint without a word). Default False.
+
+    Raises:
+        CheckpointIntegrityError: with ``refuse_damaged``, naming the damaged
+            ``checkpoint.json`` and what is wrong with it.
+    """
     best, best_key = None, None
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -166,6 +178,11 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
         for _, path in _numbered(output_dir, prefix):
             meta = read_meta(path)
             if meta is None:
+                if refuse_damaged:
+                    manifest.read_verified_meta(path)  # raises, naming what is wrong
+                    raise manifest.CheckpointIntegrityError(
+                        f"{path / manifest.META_FILE} has no global_step; the checkpoint is damaged"
+                    )
                 continue
             key = (int(meta["global_step"]), prefix == "epoch_")
             if best_key is None or key > best_key:

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from squash.modules import SparseLoRALinear
-from squash.training import checkpoint as ckpt
 from squash.export import adapters
 from squash.export.adapters import Exports
+from squash.modules import SparseLoRALinear
+from squash.training import checkpoint as ckpt
+from squash.training import manifest
 
 
 class _Writer:
@@ -72,6 +73,19 @@ def test_latest_is_by_global_step_and_ignores_incomplete_directories(tmp_path):
     assert [p.name for p in ckpt.prune_step_checkpoints(tmp_path, 1)] == ["step_9"]
     assert (tmp_path / "step_10").is_dir() and (tmp_path / "step_12").is_dir()
     assert ckpt.prune_step_checkpoints(tmp_path, None) == []
+
+
+def test_a_damaged_newest_checkpoint_is_refused_not_skipped(tmp_path):
+    for name, step in (("step_2", 2), ("step_4", 4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpoint.json").write_text(json.dumps({"epoch": 0, "global_step": step}))
+    assert ckpt.latest_checkpoint(tmp_path, refuse_damaged=True).name == "step_4"
+    (tmp_path / "step_4" / "checkpoint.json").write_text('{"epoch": 0, "global_st')  # torn
+    with pytest.raises(manifest.CheckpointIntegrityError, match="step_4/checkpoint.json cannot be read"):
+        ckpt.latest_checkpoint(tmp_path, refuse_damaged=True)
+    (tmp_path / "step_4" / "checkpoint.json").unlink()
+    with pytest.raises(manifest.CheckpointIntegrityError, match="step_4/checkpoint.json is missing"):
+        ckpt.latest_checkpoint(tmp_path, refuse_damaged=True)
 
 
 def test_adapter_loading_names_what_does_not_fit():
