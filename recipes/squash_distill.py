@@ -25,7 +25,7 @@ from tqdm import tqdm
 from squash.export import adapters
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.training import checkpoint as ckpt
-from squash.training import run_dir
+from squash.training import run_lock
 from squash.training import data, resume, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
@@ -38,7 +38,7 @@ from squash.training.config_checks import (
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import assemble_adapter_model, load_base, setup_frozen_model
 from squash.training.heldout import setup_heldout
-from squash.training.run import (
+from squash.training.entry import (
     close_metric_logger,
     config_errors_in_one_line,
     open_metric_logger,
@@ -166,7 +166,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                                 ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
-        self._run_lock = run_dir.claim(cfg)  # before anything is written
+        self._run_lock = run_lock.claim(cfg)  # before anything is written
         ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
 
         recipe_state, resume_dir = None, None

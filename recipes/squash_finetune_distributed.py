@@ -27,7 +27,7 @@ from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
 from squash.training import data, resume, steps
 from squash.training import distributed as sq_dist
-from squash.training import run_dir
+from squash.training import run_lock
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -38,7 +38,7 @@ from squash.training.config_checks import (
 )
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
 from squash.training.model_setup import assemble_adapter_model, load_base
-from squash.training.run import (
+from squash.training.entry import (
     close_metric_logger,
     config_errors_in_one_line,
     open_metric_logger,
@@ -150,7 +150,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                                 ("loss", 0), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
-        self._run_lock = run_dir.claim(cfg, lock=self._is_rank_zero)  # before anything is written
+        self._run_lock = run_lock.claim(cfg, lock=self._is_rank_zero)  # before anything is written
         if self._is_rank_zero:
             ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
         dist.barrier()

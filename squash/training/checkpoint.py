@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from squash._io import atomic_directory, clean_stale_temporaries  # noqa: F401  (also here)
-from squash.training import manifest, run_dir
+from squash.training import manifest, run_lock
 
 if TYPE_CHECKING:
     from squash.export.adapters import Exports
@@ -107,7 +107,7 @@ def write_checkpoint(
         torch.save(recipe_state, work / RECIPE_STATE_FILE)
         meta = {"epoch": epoch, "global_step": global_step}
         # hashes: written last
-        manifest.write_meta(work, meta, recipe_state, run_dir.read_lock(output_dir))
+        manifest.write_meta(work, meta, recipe_state, run_lock.read_lock(output_dir))
     return output_dir / name
 
 

@@ -214,7 +214,7 @@ def check_inputs(resume_dir: Path, meta: Dict[str, Any], output_dir: Path, cfg: 
     """Refuse a resume whose input files (base model weights, data and tokenizer files) changed
     since the run that wrote ``resume_dir`` read them, unless ``resume_allow_config_change:
     True``. This run's hashes are those its lock recorded when it started
-    (:class:`squash.training.run_dir.RunLock`), so nothing is hashed twice; a process that does
+    (:class:`squash.training.run_lock.RunLock`), so nothing is hashed twice; a process that does
     not hold the lock (a distributed run's other ranks) leaves the check to the one that does.
 
     Raises:
@@ -222,7 +222,7 @@ def check_inputs(resume_dir: Path, meta: Dict[str, Any], output_dir: Path, cfg: 
     """
     import os
 
-    from squash.training.run_dir import read_lock
+    from squash.training.run_lock import read_lock
 
     now = read_lock(output_dir)
     if now is None or now.get("pid") != os.getpid():

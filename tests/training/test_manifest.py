@@ -15,7 +15,7 @@ import torch
 from squash.training import checkpoint as ckpt
 from squash.training import manifest
 from squash.export.adapters import Exports
-from squash.training.run_dir import RunLock
+from squash.training.run_lock import RunLock
 
 from tests.helpers import StubCheckpointer
 
