@@ -2,7 +2,7 @@
 merged weights, all computed from one full state dict.
 
 The full state dict is ``model.state_dict()`` on one device, or what an FSDP2 run gathers on
-rank 0 (torchtune's ``training.gather_cpu_state_dict``), and only the adapter's tensors for an adapter-only
+rank 0 (``training.gather_cpu_state_dict``), and only the adapter's tensors for an adapter-only
 checkpoint: every recipe takes it from :func:`state_to_export`. :func:`adapter_layout` reads
 what the tensors do not say (each adapter's scaling, rank and factor widths) from the model's
 structure, which may be sharded or on the meta device. Every recipe calls :func:`checkpoint_exports`, so the files a

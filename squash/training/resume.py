@@ -53,7 +53,6 @@ FREE_KEYS = (
 )  # fmt: skip
 
 
-
 def recipe_state(
     counters: Dict[str, Any],
     *,
@@ -84,7 +83,6 @@ def recipe_state(
         "dataloader": None if at_epoch_end else dataloader,
         "rng": rng,
     }
-
 
 
 def find_resume_state(
@@ -186,7 +184,6 @@ def check_config(checkpoint_dir: Path, saved: Optional[Dict[str, Any]], cfg: Dic
     )
 
 
-
 def changed_inputs(meta: Dict[str, Any], now: Dict[str, Any]) -> List[Tuple[str, str]]:
     """``(file, key)`` of each input file whose sha256 or size differs between what a checkpoint
     recorded (``meta``: its ``base`` and ``inputs``) and what this run recorded when it started
@@ -274,7 +271,6 @@ def resumed_max_steps(state: Dict[str, Any], max_steps_per_epoch: Optional[int])
             level=logging.WARNING,
         )
     return state["max_steps_per_epoch"]
-
 
 
 def epoch_batches(
