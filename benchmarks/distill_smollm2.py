@@ -171,7 +171,7 @@ def recipe_config(arm: dict, lr: float, seed: int, run_dir: Path, ckpt: Path, si
 
 def mask_updates(cfg) -> int:
     """How many mask updates a run of ``cfg`` makes (``mask_update_due`` over its steps)."""
-    from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
+    from squash.training.masks import MaskUpdateSchedule, mask_update_due
 
     schedule = MaskUpdateSchedule.from_config(cfg.get("mask_update", None))
     return sum(bool(mask_update_due(schedule, s)) for s in range(1, cfg.max_steps_per_epoch + 1))

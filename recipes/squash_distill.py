@@ -22,10 +22,11 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.export import adapters
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.training import checkpoint as ckpt
-from squash.training import resume_config, run_dir
-from squash.training import data, exports, resume, steps
+from squash.training import run_lock
+from squash.training import data, resume, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -34,10 +35,10 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
-from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
+from squash.training.masks import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import assemble_adapter_model, load_base, setup_frozen_model
 from squash.training.heldout import setup_heldout
-from squash.training.run import (
+from squash.training.entry import (
     close_metric_logger,
     config_errors_in_one_line,
     open_metric_logger,
@@ -165,7 +166,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                                 ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
-        self._run_lock = run_dir.claim(cfg)  # before anything is written
+        self._run_lock = run_lock.claim(cfg)  # before anything is written
         ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
 
         recipe_state, resume_dir = None, None
@@ -217,7 +218,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )
         if recipe_state is not None:
             self._optimizer.load_state_dict(recipe_state["optimizer"])
-            resume_config.check_optimizer_state(self._model, self._optimizer, resume_dir)
+            resume.check_optimizer_state(self._model, self._optimizer, resume_dir)
         self._loss_fn = config.instantiate(cfg.loss)
         self._kd_loss_fn = (
             config.instantiate(cfg.kd_loss)
@@ -303,9 +304,9 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
     def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
         """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
         name = name or f"epoch_{epoch}"
-        model_exports = exports.checkpoint_exports(
-            exports.state_to_export(self._model, adapter_only=self._adapter_only),
-            exports.adapter_layout(self._model),
+        model_exports = adapters.checkpoint_exports(
+            adapters.state_to_export(self._model, adapter_only=self._adapter_only),
+            adapters.adapter_layout(self._model),
             self._model_cfg,
             dtype=self._dtype,
             adapter_only=self._adapter_only,

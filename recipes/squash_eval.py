@@ -26,9 +26,9 @@ from torchtune.recipe_interfaces import EvalRecipeInterface
 
 from squash.modules import get_adapter_modules
 from squash.training import checkpoint as ckpt
-from squash.training import run_dir
+from squash.training import run_lock
 from squash.training import data
-from squash.training.run import close_metric_logger, config_errors_in_one_line
+from squash.training.entry import close_metric_logger, config_errors_in_one_line
 from squash.training.config_checks import (
     ConfigKeyError,
     check_component,
@@ -94,7 +94,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
         # verifies adapter_dir; before anything is written
-        self._run_lock = run_dir.claim(cfg, trains=False)
+        self._run_lock = run_lock.claim(cfg, trains=False)
         self._metric_logger = None
         if cfg.get("metric_logger") is not None:
             self._metric_logger = config.instantiate(cfg.metric_logger)

@@ -21,12 +21,13 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.export import adapters
 from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
 from squash.training import checkpoint as ckpt
-from squash.training import data, exports, resume, steps
+from squash.training import data, resume, steps
 from squash.training import distributed as sq_dist
-from squash.training import run_dir
+from squash.training import run_lock
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -35,10 +36,9 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
-from squash.training.mask_schedule import MaskUpdateSchedule, mask_update_due
-from squash.training.mask_update import record_dense_grads
+from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
 from squash.training.model_setup import assemble_adapter_model, load_base
-from squash.training.run import (
+from squash.training.entry import (
     close_metric_logger,
     config_errors_in_one_line,
     open_metric_logger,
@@ -150,7 +150,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                                 ("loss", 0), ("metric_logger", 0)):  # fmt: skip
             if cfg.get(key) is not None:
                 check_component(cfg[key], key, positional=positional)
-        self._run_lock = run_dir.claim(cfg, lock=self._is_rank_zero)  # before anything is written
+        self._run_lock = run_lock.claim(cfg, lock=self._is_rank_zero)  # before anything is written
         if self._is_rank_zero:
             ckpt.clean_stale_temporaries(self._output_dir)  # what a killed run left; ours now
         dist.barrier()
@@ -269,7 +269,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             shard=shard,
             cpu_offload=self._cpu_offload,
         )
-        self._layout = exports.adapter_layout(model)
+        self._layout = adapters.adapter_layout(model)
         if self._debug:
             sq_dist.check_replicated(model)
         self._act_ctx = training.get_act_offloading_ctx_manager(model, self._act_offload)
@@ -287,7 +287,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         ``squash_finetune`` does. Every rank must call it; returns the path on rank 0."""
         name = name or f"epoch_{epoch}"
         at_epoch_end = name.startswith("epoch_")
-        state = exports.state_to_export(
+        state = adapters.state_to_export(
             self._model,
             adapter_only=self._adapter_only,
             is_rank_zero=self._is_rank_zero,
@@ -302,7 +302,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         )
         path = None
         if self._is_rank_zero:
-            model_exports = exports.checkpoint_exports(
+            model_exports = adapters.checkpoint_exports(
                 state,
                 self._layout,
                 self._model_cfg,

@@ -1,5 +1,6 @@
 """Writing a directory atomically: the one implementation squash has, below every package that
-writes checkpoints (the recipes' :mod:`squash.training.checkpoint`, OPT's checkpointer)."""
+writes checkpoints (the recipes' :mod:`squash.training.checkpoint`, OPT's checkpointer); and a
+config block as plain containers for the JSON files they write (:func:`to_plain`)."""
 
 import contextlib
 import logging
@@ -7,10 +8,19 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, List
+from typing import Any, Iterator, List
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 _TMP_PREFIX = ".squash-tmp-"
 log = logging.getLogger(__name__)
+
+
+def to_plain(node: Any) -> Any:
+    """A config block as plain Python containers (for JSON files)."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ One saved with the adapter alone (what the shipped configs save) is merged here,
 the base model its ``checkpoint.json`` records, exactly as the recipe merges when it writes the
 merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual, FFI
 adapter; :func:`squash.training.model_setup.setup_adapter_model`, the recipes' own path), the
-adapter loaded, then :func:`squash.training.exports.merged_weights` (``W + alpha / rank * B A``
+adapter loaded, then :func:`squash.export.adapters.merged_weights` (``W + alpha / rank * B A``
 on the dequantized base) and the family's key conversion. Nothing is written anywhere.
 
 The base is trusted only as far as it can be checked: a run records the sha256 of every file of
@@ -164,7 +164,7 @@ def merge_adapter(
             other code than a tokenizer builder), or weights that do not fit it.
     """
     from squash.training.config_checks import ConfigKeyError
-    from squash.training.exports import adapter_layout, merged_weights
+    from squash.export.adapters import adapter_layout, merged_weights
     from squash.training.model_setup import setup_adapter_model
 
     checkpoint_dir, base_dir = Path(checkpoint_dir), Path(base_dir)

@@ -58,14 +58,14 @@ def test_wheel_ships_every_package_recipe_config_and_kernel_and_loader_finds_the
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = _expected_files()
     # the tree has what the wheel must carry: packages below squash/, four recipes, the configs
-    assert {"squash/training/exports.py", "squash/models/opt/__init__.py",
+    assert {"squash/export/adapters.py", "squash/models/opt/__init__.py",
             "squash_finetune.py", "squash/_configs/opt_tiny.yaml",
             "squash/_kernels/ffi_cpu.cpp"} <= expected  # fmt: skip
     assert not expected - names, sorted(expected - names)
     assert not any(n.startswith(("recipes/", "configs/", "kernels/", "tests/")) for n in names)
 
     probe = (
-        "import squash.ops._loader as l, squash_finetune, squash.training.exports; "
+        "import squash.ops._loader as l, squash_finetune, squash.export.adapters; "
         "print(l.kernels_dir())"
     )
     run = subprocess.run(

@@ -1,22 +1,43 @@
-"""What training recipes share, one module per job; the recipes call these, never copy them:
+"""What training recipes share, one module per job; the recipes call these, never copy them.
 
-- :mod:`~squash.training.model_setup`: the adapted model (and a frozen one) from the config;
-- :mod:`~squash.training.data`: the resumable data loader and the steps an epoch makes;
+Setting up a run:
+
+- :mod:`~squash.training.entry`: what a recipe's entry point does around a run (config errors
+  as one line, the metric logger opened last and closed without an empty file);
+- :mod:`~squash.training.config_checks`, :mod:`~squash.training.overrides`: config keys,
+  values and command-line overrides checked, each error naming the key;
+- :mod:`~squash.training.run_lock`: the run's claim on its ``output_dir`` (never a directory
+  it reads, one live run at a time, the lock record checkpoints copy);
+- :mod:`~squash.training.model_setup`: the adapted model (and a frozen one) from the config,
+  with :mod:`~squash.training.adapter_init` (the initial adapter) and
+  :mod:`~squash.training.calibration` (the corrected 4-bit base);
+- :mod:`~squash.training.data`: the resumable data loader and the steps an epoch makes.
+
+Training:
+
 - :mod:`~squash.training.steps`: the optimizer step, the lr schedule, profiler and logged stats,
   and the mask update around a step;
-- :mod:`~squash.training.mask_schedule`: when masks move and by how much;
-- :mod:`~squash.training.mask_update`: prune and regrow at constant fan-in;
-- :mod:`~squash.training.exports`: squash adapter, PEFT adapter and merged weights from one
-  full state dict;
-- :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading;
-- :mod:`~squash.training.resume`: the recipe state, finding it and restoring it;
-- :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers;
-- :mod:`~squash.training.memory`: adapter memory accounting.
+- :mod:`~squash.training.masks`: when masks move and by how much, and prune and regrow at
+  constant fan-in;
+- :mod:`~squash.training.heldout`: the held-out evaluation before and after training;
+- :mod:`~squash.training.memory`: adapter memory accounting;
+- :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers.
 
-The OPT checkpointer lives with the model, in :mod:`squash.models.opt`.
+Saving and resuming:
+
+- :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading,
+  and finding the newest one;
+- :mod:`~squash.training.manifest`: ``checkpoint.json``, the hashes and counters every reader
+  verifies;
+- :mod:`~squash.training.resume`: the recipe state, finding it and checking it against the
+  resuming run (config, input files, optimizer state), and restoring it.
+
+The OPT checkpointer lives with the model, in :mod:`squash.models.opt`; what a checkpoint
+exports of the model (squash adapter, PEFT adapter, merged weights) lives below training, in
+:mod:`squash.export.adapters`.
 """
 
-from squash.training.mask_update import (
+from squash.training.masks import (
     cosine_drop_fraction,
     prune_and_regrow,
     record_dense_grads,

@@ -11,11 +11,11 @@ the OPT checkpointer uses too, and :func:`clean_stale_temporaries` undoes an int
   ``model.state_dict()``, and how to rebuild the model (the ``model`` config block).
 - ``adapter/adapter_model.safetensors`` + ``adapter/adapter_config.json``: the adapter in PEFT's
   format (``PeftModel.from_pretrained(model, "<dir>/adapter")``), every sparse factor written
-  dense (:func:`squash.training.exports.dense_adapter`), written by the model's checkpointer
+  dense (:func:`squash.export.adapters.dense_adapter`), written by the model's checkpointer
   (which knows the family's key names); ``adapter/adapter_model.pt`` holds what the
   checkpointer was given: the same dense factors with torchtune's keys. In a subdirectory, because transformers would apply an adapter it finds
   beside merged weights a second time.
-- unless ``adapter_only``: the merged model (:func:`squash.training.exports.merged_weights`,
+- unless ``adapter_only``: the merged model (:func:`squash.export.adapters.merged_weights`,
   NF4 bases dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
 - ``checkpoint.json``: epoch and global step, the counters, the sha256 and size of every other
@@ -37,10 +37,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from squash._io import atomic_directory, clean_stale_temporaries  # noqa: F401  (also here)
-from squash.training import manifest, run_dir
+from squash.training import manifest, run_lock
 
 if TYPE_CHECKING:
-    from squash.training.exports import Exports
+    from squash.export.adapters import Exports
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def write_checkpoint(
         output_dir (Path): the run's output directory.
         name (str): ``epoch_N`` or ``step_N``.
         checkpointer (Any): the model's checkpointer.
-        exports (Exports): what :func:`squash.training.exports.checkpoint_exports` made of the
+        exports (Exports): what :func:`squash.export.adapters.checkpoint_exports` made of the
             model: squash's adapter and config, and what ``checkpointer.save_checkpoint`` takes
             (``model``, ``adapter``, ``adapter_config``).
         recipe_state (Dict[str, Any]): :func:`squash.training.resume.recipe_state`.
@@ -107,7 +107,7 @@ def write_checkpoint(
         torch.save(recipe_state, work / RECIPE_STATE_FILE)
         meta = {"epoch": epoch, "global_step": global_step}
         # hashes: written last
-        manifest.write_meta(work, meta, recipe_state, run_dir.read_lock(output_dir))
+        manifest.write_meta(work, meta, recipe_state, run_lock.read_lock(output_dir))
     return output_dir / name
 
 
@@ -155,9 +155,21 @@ def _numbered(output_dir: Path, prefix: str) -> List[Tuple[int, Path]]:
 
 
 # ---- reading --------------------------------------------------------------------------------------
-def latest_checkpoint(output_dir: Path) -> Optional[Path]:
+def latest_checkpoint(output_dir: Path, *, refuse_damaged: bool = False) -> Optional[Path]:
     """The complete checkpoint directory (``epoch_N`` or ``step_N``) with the highest global
-    step in ``output_dir``, or None. An epoch checkpoint wins a tie with a step checkpoint."""
+    step in ``output_dir``, or None. An epoch checkpoint wins a tie with a step checkpoint.
+    squash's one search for the newest checkpoint (resume calls it with ``refuse_damaged``).
+
+    Args:
+        output_dir (Path): a run's output directory.
+        refuse_damaged (bool): raise on an ``epoch_N``/``step_N`` directory whose
+            ``checkpoint.json`` is missing or damaged instead of skipping it (resume: skipping
+            it would resume an older checkpoint without a word). Default False.
+
+    Raises:
+        CheckpointIntegrityError: with ``refuse_damaged``, naming the damaged
+            ``checkpoint.json`` and what is wrong with it.
+    """
     best, best_key = None, None
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -166,6 +178,11 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
         for _, path in _numbered(output_dir, prefix):
             meta = read_meta(path)
             if meta is None:
+                if refuse_damaged:
+                    manifest.read_verified_meta(path)  # raises, naming what is wrong
+                    raise manifest.CheckpointIntegrityError(
+                        f"{path / manifest.META_FILE} has no global_step; the checkpoint is damaged"
+                    )
                 continue
             key = (int(meta["global_step"]), prefix == "epoch_")
             if best_key is None or key > best_key:
@@ -235,7 +252,7 @@ def load_adapter_into(model: nn.Module, adapter: Dict[str, torch.Tensor], source
     Raises:
         ValueError: naming the missing, unexpected or wrongly shaped keys, or the broken FFI rule.
     """
-    from squash.training.exports import adapter_state
+    from squash.export.adapters import adapter_state
 
     check_adapter_fits(adapter_state(model), adapter, source)
     try:

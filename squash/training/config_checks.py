@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from squash._io import to_plain
+
 
 # Every top-level key the fine-tuning recipes read: torchtune's LoRA recipe keys plus squash's own.
 FINETUNE_CONFIG_KEYS = frozenset({
@@ -100,13 +102,6 @@ def check_component(node: Any, where: str, *, positional: int = 0) -> None:
             raise ConfigKeyError(
                 f"{where}.{key} must be a number ({path} takes a number there), got {node[key]!r}"
             )
-
-
-def to_plain(node: Any) -> Any:
-    """A config block as plain Python containers (for JSON files)."""
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
 
 
 def get_int(cfg: Mapping, key: str, default: Optional[int], *, minimum: int, where: str = "") -> Optional[int]:

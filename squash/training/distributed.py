@@ -33,7 +33,7 @@ from torchtune import training
 from squash.modules import FFILinear, get_adapter_buffers
 from squash.modules.adapter import state_dict_key
 from squash.nf4 import NF4Tensor, to_nf4
-from squash.training.mask_update import (
+from squash.training.masks import (
     check_drop_keeps_adapters,
     entries_replaced,
     prune_and_regrow,

@@ -8,14 +8,14 @@ once every other file is in the temporary directory. ``checkpoint.json`` then re
   ``steps_in_epoch``, ``seed``, ``total_epochs``, ``max_steps_per_epoch``, ``world_size``);
 - ``files``: ``{relative path: {"sha256", "size"}}`` of every other file of the directory;
 - ``config``: the resolved config of the run that wrote it (from its lock, see
-  :mod:`squash.training.run_dir`; None when written outside a run);
+  :mod:`squash.training.run_lock`; None when written outside a run);
 - ``base``: the base model the run read (``checkpointer.checkpoint_dir``) as
   :func:`directory_record` recorded it when the run started: its path and the sha256 and size
   of each of its files, so an export or chat that merges the adapter into that base can check
   it is the same (:func:`verify_directory`); None when written outside a run, and absent from
   checkpoints written before runs recorded it;
 - ``inputs``: ``{key: {"path", "sha256", "size"}}`` of the data and tokenizer files the run
-  read (:func:`squash.training.run_dir.input_record`), so a resume notices one edited in place;
+  read (:func:`squash.training.run_lock.input_record`), so a resume notices one edited in place;
   None outside a run, absent from older checkpoints;
 - ``format``: :data:`FORMAT` (2); a reader refuses any other version, and any field not
   listed here (:data:`FIELDS`);
@@ -88,7 +88,7 @@ def write_meta(
         meta (Dict[str, Any]): ``epoch`` and ``global_step``.
         recipe_state (Dict[str, Any]): what ``recipe_state.pt`` holds; its counters are copied.
         lock (Optional[Dict[str, Any]]): the record of the run's lock
-            (:func:`squash.training.run_dir.read_lock` of its output directory), which names the
+            (:func:`squash.training.run_lock.read_lock` of its output directory), which names the
             run's config, base and inputs; copied only if this process holds the lock.
 
     Returns:

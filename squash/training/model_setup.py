@@ -22,7 +22,7 @@ from squash.training.calibration import apply_base_outliers_, model_second_momen
 from squash.training.config_checks import ConfigKeyError
 from squash.training.distributed import load_full_state_dict
 from squash.modules.adapter import adapter_layout, dense_adapter
-from squash.training.mask_schedule import MaskUpdateSchedule
+from squash.training.masks import MaskUpdateSchedule
 from squash.training.memory import base_memory, outlier_memory
 
 log = utils.get_logger("INFO")

@@ -10,8 +10,12 @@ from torch import nn
 from torchtune import config, training
 
 from squash.modules import FFILinear, get_adapter_modules
-from squash.training.mask_schedule import MaskUpdateSchedule
-from squash.training.mask_update import record_dense_grads, record_grow_candidates, update_masks
+from squash.training.masks import (
+    MaskUpdateSchedule,
+    record_dense_grads,
+    record_grow_candidates,
+    update_masks,
+)
 
 
 def optimizer_params(model: nn.Module, lora_plus_lr_ratio: Optional[float], lr: Any) -> Any:

@@ -14,7 +14,7 @@ from squash.chat import load_checkpoint, main as chat_main
 from squash.cli import main as cli_main
 from squash.training import checkpoint as ckpt
 from squash.training import manifest
-from squash.training.exports import squash_adapter
+from squash.export.adapters import squash_adapter
 
 from tests.helpers import REPO, rehash_checkpoint
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]

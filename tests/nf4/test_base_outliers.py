@@ -19,7 +19,7 @@ from squash.modules.adapter import adapter_layout
 from squash.sparsity.ffi import ffi_to_dense
 from squash.training.calibration import model_second_moments, second_moments
 from squash.training.config_checks import ConfigKeyError, check_model_values
-from squash.training.exports import merged_weights
+from squash.export.adapters import merged_weights
 from squash.training.model_setup import assemble_adapter_model, setup_frozen_model
 from tests.models.test_one_pass import TINY
 
@@ -228,7 +228,7 @@ def test_sensitivity_scores_with_the_calibration_moments(base):
 
 def test_a_resumed_adapter_on_the_rebuilt_base_gives_the_same_outputs(base):
     """What a resume rebuilds: the same config and base weights, the saved adapter loaded."""
-    from squash.training.exports import adapter_state
+    from squash.export.adapters import adapter_state
 
     cfg = _cfg(outliers=MAGNITUDE)
     model = _assemble(base, cfg)

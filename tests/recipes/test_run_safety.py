@@ -150,17 +150,17 @@ def test_a_fresh_run_into_a_used_output_dir_is_refused_and_its_checkpoints_untou
 
 
 def test_an_empty_or_checkpoint_free_output_dir_is_fine_for_a_fresh_run(tmp_path):
-    from squash.training import run_dir
+    from squash.training import run_lock
 
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     (out / "epoch_notes").mkdir()  # not a checkpoint name
-    assert run_dir.checkpoints_in(out) == []
-    run_dir.refuse_used_output_dir(_cfg(out))
+    assert run_lock.checkpoints_in(out) == []
+    run_lock.refuse_used_output_dir(_cfg(out))
     (out / "step_3").mkdir()  # an incomplete checkpoint is another run's too
     with pytest.raises(ConfigKeyError, match=r"holds another run's checkpoints \(step_3\)"):
-        run_dir.refuse_used_output_dir(_cfg(out))
-    run_dir.refuse_used_output_dir(_cfg(out, resume_from_checkpoint=True))
+        run_lock.refuse_used_output_dir(_cfg(out))
+    run_lock.refuse_used_output_dir(_cfg(out, resume_from_checkpoint=True))
 
 
 # ---- 3. checkpoints are what was written ----------------------------------------------------------

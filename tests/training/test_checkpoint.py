@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from squash.export import adapters
+from squash.export.adapters import Exports
 from squash.modules import sparse_lora_linear
 from squash.training import checkpoint as ckpt
-from squash.training import exports
-from squash.training.exports import Exports
+from squash.training import manifest
 
 
 class _Writer:
@@ -74,6 +75,19 @@ def test_latest_is_by_global_step_and_ignores_incomplete_directories(tmp_path):
     assert ckpt.prune_step_checkpoints(tmp_path, None) == []
 
 
+def test_a_damaged_newest_checkpoint_is_refused_not_skipped(tmp_path):
+    for name, step in (("step_2", 2), ("step_4", 4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpoint.json").write_text(json.dumps({"epoch": 0, "global_step": step}))
+    assert ckpt.latest_checkpoint(tmp_path, refuse_damaged=True).name == "step_4"
+    (tmp_path / "step_4" / "checkpoint.json").write_text('{"epoch": 0, "global_st')  # torn
+    with pytest.raises(manifest.CheckpointIntegrityError, match="step_4/checkpoint.json cannot be read"):
+        ckpt.latest_checkpoint(tmp_path, refuse_damaged=True)
+    (tmp_path / "step_4" / "checkpoint.json").unlink()
+    with pytest.raises(manifest.CheckpointIntegrityError, match="step_4/checkpoint.json is missing"):
+        ckpt.latest_checkpoint(tmp_path, refuse_damaged=True)
+
+
 def test_adapter_loading_names_what_does_not_fit():
     module = sparse_lora_linear(64, 32, rank=4, alpha=8, sparsity=0.5, sparse_factor="both")
     model = torch.nn.ModuleDict({"proj": module})
@@ -99,11 +113,11 @@ def test_merged_state_dict_is_base_plus_scaled_product_of_dense_factors():
     model = torch.nn.ModuleDict({"proj": module})
     a_dense = torch.zeros(4, 32).scatter_(1, module.lora_a.indices.long(), module.lora_a.values)
     expected = module.weight + 2.0 * module.lora_b.weight @ a_dense  # alpha / rank = 2
-    layout = exports.adapter_layout(model)
-    merged = exports.merged_weights(model.state_dict(), layout, torch.float32)
+    layout = adapters.adapter_layout(model)
+    merged = adapters.merged_weights(model.state_dict(), layout, torch.float32)
     assert sorted(merged) == ["proj.bias", "proj.weight"]
     torch.testing.assert_close(merged["proj.weight"], expected)
-    dense = exports.dense_adapter(model.state_dict(), layout)
+    dense = adapters.dense_adapter(model.state_dict(), layout)
     torch.testing.assert_close(dense["proj.lora_a.weight"], a_dense)
 
 
@@ -121,7 +135,7 @@ def test_adapter_state_is_the_adapter_part_of_the_full_state_dict():
     })  # fmt: skip
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([checkpoint_wrapper(layer)])})
     full = {k: v for k, v in model.state_dict().items() if ".lora_a." in k or ".lora_b." in k}
-    own = exports.adapter_state(model)
+    own = adapters.adapter_state(model)
     assert sorted(own) == sorted(full) and len(full) == 6  # q: values+indices x2; v: 2 weights
     assert all(torch.equal(own[k], full[k]) for k in full)
     assert not any("_checkpoint_wrapped_module" in k for k in own)

@@ -33,7 +33,7 @@ def test_a_sharded_mask_update_skips_a_factor_where_nothing_moves_without_its_gr
     from squash.modules import sparse_lora_linear
     from squash.training import update_masks
     from squash.training.distributed import update_masks_sharded
-    from squash.training.mask_update import entries_replaced, record_dense_grads
+    from squash.training.masks import entries_replaced, record_dense_grads
 
     torch.manual_seed(0)
     model = nn.ModuleDict({

@@ -14,8 +14,8 @@ import torch
 
 from squash.training import checkpoint as ckpt
 from squash.training import manifest
-from squash.training.exports import Exports
-from squash.training.run_dir import RunLock
+from squash.export.adapters import Exports
+from squash.training.run_lock import RunLock
 
 from tests.helpers import StubCheckpointer
 
@@ -111,7 +111,7 @@ import resource, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
 from tests.helpers import StubCheckpointer
 from squash.training import checkpoint as ckpt
-from squash.training.exports import Exports
+from squash.export.adapters import Exports
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 try:

@@ -1,4 +1,4 @@
-"""The recipes' shared set-up pieces (squash.training.data, .steps, .model_setup, .mask_schedule), against hand-computed values and
+"""The recipes' shared set-up pieces (squash.training.data, .steps, .model_setup), against hand-computed values and
 torchtune's own scheduler stepped by hand."""
 
 import pytest
@@ -7,7 +7,6 @@ from omegaconf import OmegaConf
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from squash.training import data, steps
-from squash.training.mask_schedule import MaskUpdateSchedule
 from squash.training.model_setup import load_all_but_adapters
 from squash.training.config_checks import ConfigKeyError
 
@@ -81,16 +80,3 @@ def test_load_all_but_adapters_names_what_does_not_fit():
                        match=r"the base: missing \['q.base.bias'\], unexpected \['x'\]"):
         load_all_but_adapters(model, {"q.base.weight": torch.ones(2, 2), "x": torch.ones(1)},
                                   "the base")
-
-
-def test_the_mask_update_schedule_is_due_every_n_steps_before_until_step_with_a_cosine_drop():
-    import math
-
-    schedule = MaskUpdateSchedule.from_config(
-        OmegaConf.create({"every_n_steps": 3, "drop_fraction": 0.4, "until_step": 10})
-    )
-    assert MaskUpdateSchedule.from_config(None) is None
-    assert [s for s in range(1, 15) if schedule.due(s)] == [3, 6, 9]
-    for step in (3, 6, 9):
-        assert schedule.drop(step) == pytest.approx(0.2 * (1 + math.cos(math.pi * step / 10)))
-    assert schedule.drop(10) == 0.0

@@ -1,4 +1,5 @@
-"""Dynamic sparsity at constant fan-in: prune and regrow each row of an FFI matrix.
+"""Dynamic sparsity at constant fan-in: when the masks move (:class:`MaskUpdateSchedule`, the
+``mask_update`` block of a recipe config), and how: prune and regrow each row of an FFI matrix.
 
 For each row, the ``n = round(drop_fraction * k)`` entries of smallest ``|value|`` are dropped and
 ``n`` new columns are grown where the dense gradient ``|grad W|`` is largest among the columns
@@ -18,6 +19,7 @@ The dense gradient of an FFI factor is ``grad_out^T @ x`` ``(out, in)``; an
 """
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from squash._checks import check_int, check_real
 from squash.modules import FFILinear, SparseLoRALinear
 from squash.sparsity.ffi import index_dtype, validate_ffi
+from squash.training.config_checks import parse_mask_update
 
 
 def cosine_drop_fraction(step: int, drop_fraction: float, until_step: int) -> float:
@@ -52,6 +55,40 @@ def cosine_drop_fraction(step: int, drop_fraction: float, until_step: int) -> fl
     if step >= until_step:
         return 0.0
     return drop_fraction / 2 * (1 + math.cos(math.pi * step / until_step))
+
+
+@dataclass(frozen=True)
+class MaskUpdateSchedule:
+    """Masks move after every ``every_n_steps``-th global step (1-based) before ``until_step``;
+    the fraction of each row replaced decays by a cosine from ``drop_fraction`` to 0 at
+    ``until_step`` (:func:`cosine_drop_fraction`)."""
+
+    every_n_steps: int
+    drop_fraction: float
+    until_step: int
+
+    @classmethod
+    def from_config(cls, block: Any) -> Optional["MaskUpdateSchedule"]:
+        """The schedule of a ``mask_update`` config block, None without one.
+
+        Raises:
+            ConfigKeyError: a bad or missing key of the block (named).
+        """
+        parsed = parse_mask_update(block)
+        return None if parsed is None else cls(**parsed)
+
+    def due(self, step: int) -> bool:
+        """Whether the masks move after global step ``step``."""
+        return step % self.every_n_steps == 0 and step < self.until_step
+
+    def drop(self, step: int) -> float:
+        """The fraction of each row's entries replaced by the update after ``step``."""
+        return cosine_drop_fraction(step, self.drop_fraction, self.until_step)
+
+
+def mask_update_due(schedule: Optional[MaskUpdateSchedule], step: int) -> bool:
+    """Whether a recipe with ``schedule`` (None: no ``mask_update``) moves masks after ``step``."""
+    return schedule is not None and schedule.due(step)
 
 
 @torch.no_grad()

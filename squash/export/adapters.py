@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune import training
 
-from squash.modules.adapter import (  # noqa: F401  (exports.* as before)
+from squash._io import to_plain
+from squash.modules.adapter import (  # noqa: F401  (adapters.* as before)
     AdapterLayout,
     adapter_layout,
     dense_adapter,
@@ -204,8 +205,6 @@ def checkpoint_exports(
         svd_init (Optional[Dict[str, torch.Tensor]]): with ``model.init: svd``, the dense
             initial factors (see :func:`peft_adapter`).
     """
-    from squash.training.config_checks import to_plain
-
     config = peft_config(model_cfg, layout)
     adapter, adapter_config = peft_adapter(dense_adapter(full_sd, layout), config, svd_init)
     state: Dict[str, Any] = {training.ADAPTER_KEY: adapter, training.ADAPTER_CONFIG: adapter_config}

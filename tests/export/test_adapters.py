@@ -1,4 +1,4 @@
-"""squash.training.exports: the exports of a checkpoint from a gathered full state dict (the FSDP2
+"""squash.export.adapters: the exports of a checkpoint from a gathered full state dict (the FSDP2
 recipe) equal those from ``model.state_dict()`` (the single-device recipes), and both equal the
 adapter modules' own dense factors and merged weights."""
 
@@ -8,7 +8,7 @@ import torch
 from squash.models.opt import qlora_opt_tiny, squash_opt_tiny
 from squash.nf4 import NF4Tensor
 from squash.modules import get_adapter_modules
-from squash.training import exports
+from squash.export import adapters
 
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
@@ -54,15 +54,15 @@ def _full(model):
 def test_exports_from_the_full_state_dict_equal_those_from_the_model(build):
     torch.manual_seed(0)
     model = _trained(build())
-    layout = exports.adapter_layout(model)
+    layout = adapters.adapter_layout(model)
     full = _full(model)
-    dense_model = exports.dense_adapter(model.state_dict(), layout)
-    dense_full = exports.dense_adapter(full, layout)
+    dense_model = adapters.dense_adapter(model.state_dict(), layout)
+    dense_full = adapters.dense_adapter(full, layout)
     assert sorted(dense_model) == sorted(dense_full)
     for key in dense_model:
         assert torch.equal(dense_model[key], dense_full[key]), key
-    merged_model = exports.merged_weights(model.state_dict(), layout, torch.bfloat16)
-    merged_full = exports.merged_weights(full, layout, torch.bfloat16)
+    merged_model = adapters.merged_weights(model.state_dict(), layout, torch.bfloat16)
+    merged_full = adapters.merged_weights(full, layout, torch.bfloat16)
     assert sorted(merged_model) == sorted(merged_full)
     for key in merged_model:
         assert merged_full[key].dtype == merged_model[key].dtype
@@ -92,8 +92,8 @@ def test_exports_are_keyed_as_the_state_dict_under_activation_checkpointing():
     torch.manual_seed(0)
     model = _trained(squash_opt_tiny(ATTN, True, lora_rank=8, lora_alpha=16, quantize_base=True,
                                      sparsity=0.9))  # fmt: skip
-    plain_merged = exports.merged_weights(
-        model.state_dict(), exports.adapter_layout(model), torch.float32
+    plain_merged = adapters.merged_weights(
+        model.state_dict(), adapters.adapter_layout(model), torch.float32
     )
     plain_adapter = adapter_state_dict(model)
     training.set_activation_checkpointing(
@@ -102,11 +102,11 @@ def test_exports_are_keyed_as_the_state_dict_under_activation_checkpointing():
     assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
     keys = set(model.state_dict())
     assert set(adapter_state_dict(model)) == set(plain_adapter) <= keys
-    layout = exports.adapter_layout(model)
-    assert set(exports.dense_adapter(model.state_dict(), layout)) <= keys | {
+    layout = adapters.adapter_layout(model)
+    assert set(adapters.dense_adapter(model.state_dict(), layout)) <= keys | {
         k.replace(".values", ".weight") for k in keys
     }
-    merged = exports.merged_weights(model.state_dict(), layout, torch.float32)
+    merged = adapters.merged_weights(model.state_dict(), layout, torch.float32)
     assert sorted(merged) == sorted(plain_merged)
     for key in merged:
         assert torch.equal(merged[key], plain_merged[key]), key
@@ -118,8 +118,8 @@ def test_the_peft_adapter_of_an_svd_init_is_twice_the_rank_and_adds_b_a_minus_b0
            "m.lora_b.weight": torch.randn(5, 3, generator=g)}  # fmt: skip
     init = {k: torch.randn(v.shape, generator=g) for k, v in now.items()}
     config = {"r": 3, "lora_alpha": 6.0, "target_modules": ["q_proj"], "peft_type": "LORA"}
-    assert exports.peft_adapter(now, config) == (now, config)
-    adapter, out = exports.peft_adapter(now, config, init)
+    assert adapters.peft_adapter(now, config) == (now, config)
+    adapter, out = adapters.peft_adapter(now, config, init)
     assert out == dict(config, r=6, lora_alpha=12.0)  # the scaling alpha / r kept
     a, b = adapter["m.lora_a.weight"], adapter["m.lora_b.weight"]
     assert a.shape == (6, 7) and b.shape == (5, 6)
@@ -165,7 +165,7 @@ def test_an_adapter_only_checkpoint_never_dequantizes_the_nf4_base(tmp_path, mon
             return func(*args, **(kwargs or {}))
 
     def save(out, state):
-        made = exports.checkpoint_exports(state, exports.adapter_layout(model), model_cfg,
+        made = adapters.checkpoint_exports(state, adapters.adapter_layout(model), model_cfg,
                                           dtype=torch.float32, adapter_only=True)  # fmt: skip
         return ckpt.write_checkpoint(
             out, "epoch_0", checkpointer=OPTCheckpointer(str(tiny), ["model.safetensors"], str(out)),
@@ -173,7 +173,7 @@ def test_an_adapter_only_checkpoint_never_dequantizes_the_nf4_base(tmp_path, mon
         )  # fmt: skip
 
     with SquashNF4Ops():
-        ours = save(tmp_path / "ours", exports.state_to_export(model, adapter_only=True))
+        ours = save(tmp_path / "ours", adapters.state_to_export(model, adapter_only=True))
     assert calls == []
     with SquashNF4Ops():
         full = model.state_dict()

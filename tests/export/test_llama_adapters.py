@@ -83,17 +83,17 @@ def test_llama_peft_adapter_and_merged_weights_match_transformers(hf_dir, tmp_pa
     from peft import PeftModel
 
     from squash.training import checkpoint as ckpt
-    from squash.training import exports
+    from squash.export import adapters
 
     checkpointer = _checkpointer(hf_dir, tmp_path / "out")  # loads, then saves, as a recipe's
     base = checkpointer.load_checkpoint()["model"]
     model = _model(base, svd)
     svd_init = None
     if svd:
-        svd_init = exports.dense_adapter(model.state_dict(), exports.adapter_layout(model))
+        svd_init = adapters.dense_adapter(model.state_dict(), adapters.adapter_layout(model))
     model = _train(model)
-    made = exports.checkpoint_exports(
-        model.state_dict(), exports.adapter_layout(model), MODEL_CFG,
+    made = adapters.checkpoint_exports(
+        model.state_dict(), adapters.adapter_layout(model), MODEL_CFG,
         dtype=torch.float32, adapter_only=False, svd_init=svd_init,
     )  # fmt: skip
     path = ckpt.write_checkpoint(

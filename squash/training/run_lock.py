@@ -10,7 +10,7 @@
    run's lifetime on that file and on ``output_dir`` itself (so deleting the file's path does
    not let a second run in), the file naming the process (pid, host, start time, command) and
    holding the run's resolved config (each checkpoint copies it into ``checkpoint.json``, for
-   the resume check of :mod:`squash.training.resume_config`), the sha256 of each file of the
+   the resume check of :mod:`squash.training.resume`), the sha256 of each file of the
    base model (``checkpointer.checkpoint_dir``; copied too, for an export or chat that merges
    the adapter into that base, and for the resume check) and of each data and tokenizer file
    the run reads. The kernel drops a ``flock`` when its process dies, however it dies: a lock
@@ -425,7 +425,7 @@ def input_record(cfg: DictConfig) -> Dict[str, Dict[str, Any]]:
     """``{key: {"path", "sha256", "size"}}`` of each file (not directory) the config reads
     besides the base model (:func:`read_paths`: dataset files, tokenizer files), recorded when a
     run starts so that a resume notices a file edited in place
-    (:func:`squash.training.resume_config.check_inputs`)."""
+    (:func:`squash.training.resume.check_inputs`)."""
     record = {}
     for key, path, is_dir in read_paths(cfg):
         if not is_dir and Path(path).is_file():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from squash.training import run_dir
+from squash.training import run_lock
 from squash.training.config_checks import ConfigKeyError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,29 +42,29 @@ def _cfg(tmp_path, out, **changes):
 ])
 def test_an_output_dir_overlapping_an_input_is_refused_naming_both(tmp_path, out, how, key):
     with pytest.raises(ConfigKeyError, match=f"output_dir .* {how} {key} "):
-        run_dir.check_output_dir(_cfg(tmp_path, tmp_path / out))
+        run_lock.check_output_dir(_cfg(tmp_path, tmp_path / out))
 
 
 def test_a_symlink_does_not_hide_an_overlap_and_a_sibling_is_accepted(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "model")
     with pytest.raises(ConfigKeyError, match="is checkpointer.checkpoint_dir"):
-        run_dir.check_output_dir(_cfg(tmp_path, tmp_path / "link"))
-    assert run_dir.check_output_dir(_cfg(tmp_path, tmp_path / "out")) == (tmp_path / "out").resolve()
+        run_lock.check_output_dir(_cfg(tmp_path, tmp_path / "link"))
+    assert run_lock.check_output_dir(_cfg(tmp_path, tmp_path / "out")) == (tmp_path / "out").resolve()
 
 
 def test_a_teacher_and_an_adapter_dir_count_as_inputs(tmp_path):
     cfg = _cfg(tmp_path, tmp_path / "t" / "out", **{"teacher_checkpointer.checkpoint_dir": str(tmp_path / "t")})
     with pytest.raises(ConfigKeyError, match="lies inside teacher_checkpointer.checkpoint_dir"):
-        run_dir.check_output_dir(cfg)
+        run_lock.check_output_dir(cfg)
     cfg = _cfg(tmp_path, tmp_path / "run", adapter_dir=str(tmp_path / "run" / "epoch_0"))
     with pytest.raises(ConfigKeyError, match="contains adapter_dir"):
-        run_dir.check_output_dir(cfg)
+        run_lock.check_output_dir(cfg)
 
 
 _HOLD = """
 import sys, time
-from squash.training.run_dir import RunLock
+from squash.training.run_lock import RunLock
 lock = RunLock(sys.argv[1], {"seed": 1})
 print("locked", flush=True)
 time.sleep(600)
@@ -84,8 +84,8 @@ def test_a_live_runs_lock_refuses_a_second_run_naming_the_first(tmp_path):
     try:
         with pytest.raises(RuntimeError, match=f"in use by another run \\(pid {proc.pid} on host "
                                                f"{socket.gethostname()}"):
-            run_dir.RunLock(tmp_path)
-        assert json.loads((tmp_path / run_dir.LOCK_FILE).read_text())["pid"] == proc.pid
+            run_lock.RunLock(tmp_path)
+        assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["pid"] == proc.pid
     finally:
         proc.kill()
         proc.wait()
@@ -97,15 +97,15 @@ def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
     run is still refused, and leaves no lock file of its own behind."""
     proc = _holder(tmp_path)
     try:
-        (tmp_path / run_dir.LOCK_FILE).unlink()
+        (tmp_path / run_lock.LOCK_FILE).unlink()
         with pytest.raises(RuntimeError, match=f"output_dir {tmp_path} is in use by another run "
                                                r"\(its lock file .squash-run.lock was deleted"):
-            run_dir.RunLock(tmp_path)
-        assert not (tmp_path / run_dir.LOCK_FILE).exists()
+            run_lock.RunLock(tmp_path)
+        assert not (tmp_path / run_lock.LOCK_FILE).exists()
     finally:
         proc.kill()
         proc.wait()
-    lock = run_dir.RunLock(tmp_path)  # the first run gone, the directory is free
+    lock = run_lock.RunLock(tmp_path)  # the first run gone, the directory is free
     lock.release()
 
 
@@ -114,20 +114,20 @@ def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     proc = _holder(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (tmp_path / run_dir.LOCK_FILE).exists()  # left behind by the killed run
-    with caplog.at_level(logging.WARNING, logger="squash.training.run_dir"):
-        lock = run_dir.RunLock(tmp_path, {"seed": 2})
+    assert (tmp_path / run_lock.LOCK_FILE).exists()  # left behind by the killed run
+    with caplog.at_level(logging.WARNING, logger="squash.training.run_lock"):
+        lock = run_lock.RunLock(tmp_path, {"seed": 2})
     assert f"taking over the lock of an earlier run (pid {proc.pid}" in caplog.text
     assert "no longer running" in caplog.text
-    record = run_dir.read_lock(tmp_path)
+    record = run_lock.read_lock(tmp_path)
     assert record["pid"] == os.getpid() and record["config"] == {"seed": 2}
     assert abs(record["started"] - time.time()) < 60
     lock.release()
-    assert not (tmp_path / run_dir.LOCK_FILE).exists()
-    run_dir.RunLock(tmp_path).release()  # released: the next run takes it without a word
+    assert not (tmp_path / run_lock.LOCK_FILE).exists()
+    run_lock.RunLock(tmp_path).release()  # released: the next run takes it without a word
 
 
 def test_an_output_dir_that_cannot_be_created_names_it(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=f"output_dir {tmp_path / 'file' / 'out'} cannot be created"):
-        run_dir.RunLock(tmp_path / "file" / "out")
+        run_lock.RunLock(tmp_path / "file" / "out")

@@ -1,5 +1,6 @@
 """Prune-and-regrow at constant fan-in against a brute-force loop and hand-made cases; the
-cosine drop-fraction schedule against hand-computed values."""
+cosine drop-fraction schedule and when masks move (``MaskUpdateSchedule``) against hand-computed
+values."""
 
 import ast
 import math
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from squash.modules import sparse_lora_linear
 from squash.sparsity import random_ffi_indices, validate_ffi
@@ -16,6 +18,7 @@ from squash.training import (
     record_dense_grads,
     update_masks,
 )
+from squash.training.masks import MaskUpdateSchedule
 
 
 def brute_force(values, indices, grad, drop_fraction):
@@ -326,3 +329,14 @@ def test_a_factor_where_nothing_moves_needs_no_gradient():
     assert narrow.grow_candidates is None  # nothing to record
     assert update_masks(model, None, 0.1) == {"narrow": 0, "wide": 3}
     assert torch.equal(narrow.indices, before)
+
+
+def test_the_mask_update_schedule_is_due_every_n_steps_before_until_step_with_a_cosine_drop():
+    schedule = MaskUpdateSchedule.from_config(
+        OmegaConf.create({"every_n_steps": 3, "drop_fraction": 0.4, "until_step": 10})
+    )
+    assert MaskUpdateSchedule.from_config(None) is None
+    assert [s for s in range(1, 15) if schedule.due(s)] == [3, 6, 9]
+    for step in (3, 6, 9):
+        assert schedule.drop(step) == pytest.approx(0.2 * (1 + math.cos(math.pi * step / 10)))
+    assert schedule.drop(10) == 0.0
