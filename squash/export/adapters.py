@@ -27,6 +27,7 @@ from squash.modules.adapter import (  # noqa: F401  (adapters.* as before)
     AdapterLayout,
     adapter_layout,
     dense_adapter,
+    merge_lora,
     state_dict_key,
 )
 
@@ -123,7 +124,7 @@ def merged_weights(
         name = key[: -len(".weight")] if key.endswith(".weight") else None
         if name in layout:
             a, b = adapters[f"{name}.lora_a.weight"], adapters[f"{name}.lora_b.weight"]
-            value = value.float() + layout[name].scaling * (b.float() @ a.float())
+            value = merge_lora(value, a, b, layout[name].scaling)
         out[key] = value.to(dtype) if value.is_floating_point() else value
     return out
 

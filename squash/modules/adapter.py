@@ -88,6 +88,26 @@ def adapter_layout(model: nn.Module) -> Dict[str, AdapterLayout]:
     }
 
 
+def merge_lora(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``base + scaling * b @ a`` in float32: the one place an adapter is merged into its base
+    (:meth:`~squash.modules.SparseLoRALinear.merged_weight` of one module,
+    :func:`squash.export.adapters.merged_weights` of a whole state dict).
+
+    Args:
+        base (torch.Tensor): the dense base weight ``(out_dim, in_dim)`` (NF4 dequantized, a
+            corrected base's outliers added).
+        a (torch.Tensor): the dense ``A`` ``(rank, in_dim)``.
+        b (torch.Tensor): the dense ``B`` ``(out_dim, rank)``.
+        scaling (float): ``alpha / rank``.
+
+    Returns:
+        torch.Tensor: float32 ``(out_dim, in_dim)``.
+    """
+    return base.float() + scaling * (b.float() @ a.float())
+
+
 def dense_adapter(
     full_sd: Mapping[str, torch.Tensor], layout: Mapping[str, AdapterLayout]
 ) -> Dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from squash._checks import (
     check_real,
     check_sparsity,
 )
-from squash.modules.adapter import SparseAdapterModule
+from squash.modules.adapter import SparseAdapterModule, merge_lora
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.nf4 import (
     NF4Tensor,
@@ -246,8 +246,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         a, b = self.dense_factors()
         out = module_outliers(self)
         base = _dequantize(self.weight) if out is None else corrected_base(self.weight, out)
-        w = base.float() + self.scaling * (b.float() @ a.float())
-        return w.to(dtype or a.dtype)
+        return merge_lora(base, a, b, self.scaling).to(dtype or a.dtype)
 
     def extra_repr(self) -> str:
         base = "nf4" if self._quantize_base else "dense"
