@@ -268,7 +268,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
     ) -> "SparseLoRALinear":
         """A ``SparseLoRALinear`` that shares ``lora``'s base ``weight``/``bias`` parameters.
 
-        Built by the constructor with ``lora``'s base: keeps rank, alpha, dropout probability,
+        Built by :func:`sparse_lora_linear` with ``lora``'s base: keeps rank, alpha, dropout probability,
         bias, the dense or NF4 base (the same ``nn.Parameter`` objects, so loaded weights and any
         references stay valid), the ``disabled`` flag and train/eval mode. The adapter factors are
         initialised afresh per ``init`` (``"svd"`` factors the current base, dequantizing NF4),
@@ -285,7 +285,7 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             SparseLoRALinear: the replacement module.
 
         Raises:
-            ValueError: as the constructor.
+            ValueError: as :func:`sparse_lora_linear`.
         """
         ref = lora.lora_a.weight
         new = sparse_lora_linear(
