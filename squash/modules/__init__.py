@@ -6,7 +6,12 @@ modules computed with squash's NF4 kernel (from :mod:`squash.nf4`, re-exported h
 from squash.modules.adapter import SparseAdapterModule, get_adapter_modules, is_lora_adapter
 from squash.modules.ffi_linear import FFILinear
 from squash.nf4.modules import NF4Linear, NF4LoRALinear, is_plain_lora, use_squash_nf4_
-from squash.modules.sparse_lora import SparseLoRALinear, lora_factor, sparse_lora_linear, svd_factors
+from squash.modules.sparse_lora import (
+    SparseLoRALinear,
+    lora_factor,
+    sparse_lora_linear,
+    svd_factors,
+)
 from squash.modules.surgery import (
     adapter_state_dict,
     get_adapter_buffers,

@@ -106,10 +106,14 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
             raise ValueError(f"weight must be (out_dim, in_dim), got shape {tuple(weight.shape)}")
         out_dim, in_dim = weight.shape
         for name, factor in (("lora_a", lora_a), ("lora_b", lora_b)):
-            if not isinstance(factor, (FFILinear, nn.Linear)) or getattr(factor, "bias", None) is not None:
-                raise ValueError(f"{name} must be an FFILinear or a bias-free nn.Linear, got {factor}")
+            plain = isinstance(factor, FFILinear) or (
+                isinstance(factor, nn.Linear) and factor.bias is None)  # fmt: skip
+            if not plain:
+                raise ValueError(f"{name} must be an FFILinear or a bias-free nn.Linear, "
+                                 f"got {factor}")  # fmt: skip
         rank = lora_a.out_features
-        if lora_a.in_features != in_dim or lora_b.out_features != out_dim or lora_b.in_features != rank:
+        widths = (lora_a.in_features, lora_b.out_features, lora_b.in_features)
+        if widths != (in_dim, out_dim, rank):
             raise ValueError(
                 f"factors lora_a {lora_a.in_features} -> {lora_a.out_features} and lora_b "
                 f"{lora_b.in_features} -> {lora_b.out_features} do not fit a base of (out_dim, "
@@ -268,11 +272,11 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
     ) -> "SparseLoRALinear":
         """A ``SparseLoRALinear`` that shares ``lora``'s base ``weight``/``bias`` parameters.
 
-        Built by :func:`sparse_lora_linear` with ``lora``'s base: keeps rank, alpha, dropout probability,
-        bias, the dense or NF4 base (the same ``nn.Parameter`` objects, so loaded weights and any
-        references stay valid), the ``disabled`` flag and train/eval mode. The adapter factors are
-        initialised afresh per ``init`` (``"svd"`` factors the current base, dequantizing NF4),
-        in the dtype and on the device of ``lora.lora_a.weight``.
+        Built by :func:`sparse_lora_linear` with ``lora``'s base: keeps rank, alpha, dropout
+        probability, bias, the dense or NF4 base (the same ``nn.Parameter`` objects, so loaded
+        weights and any references stay valid), the ``disabled`` flag and train/eval mode. The
+        adapter factors are initialised afresh per ``init`` (``"svd"`` factors the current base,
+        dequantizing NF4), in the dtype and on the device of ``lora.lora_a.weight``.
 
         Args:
             lora (nn.Module): a torchtune ``LoRALinear``.

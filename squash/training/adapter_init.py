@@ -36,9 +36,10 @@ def _fresh_factors(module: SparseLoRALinear) -> Dict[str, nn.Module]:
     out = {}
     for name in ("lora_a", "lora_b"):
         f = getattr(module, name)
-        out[name] = (FFILinear(f.in_features, f.out_features, f.fan_in, **factory)
-                     if isinstance(f, FFILinear)
-                     else nn.Linear(f.in_features, f.out_features, bias=False, **factory))  # fmt: skip
+        if isinstance(f, FFILinear):
+            out[name] = FFILinear(f.in_features, f.out_features, f.fan_in, **factory)
+        else:
+            out[name] = nn.Linear(f.in_features, f.out_features, bias=False, **factory)
     return {k: f.to_empty(device="cpu") for k, f in out.items()}
 
 

@@ -410,3 +410,30 @@ def test_nf4_import_falls_back_to_the_newer_torchao_location(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(nf4)
+
+
+def test_the_module_is_given_its_base_and_factors_and_refuses_what_does_not_fit():
+    """``SparseLoRALinear`` holds the very tensors and factors it is given; it reads rank,
+    widths and which factor is sparse from them, and names what does not fit."""
+    from torch import nn
+
+    w = nn.Parameter(torch.randn(24, 32), requires_grad=False)
+    a, b = FFILinear(32, 4, 8), nn.Linear(4, 24, bias=False)
+    m = SparseLoRALinear(w, None, a, b, alpha=8.0)
+    assert m.weight is w and m.lora_a is a and m.lora_b is b
+    assert (m.in_dim, m.out_dim, m.rank, m.sparse_factor, m.scaling) == (32, 24, 4, "a", 2.0)
+    assert SparseLoRALinear(w, None, nn.Linear(32, 4, bias=False), FFILinear(4, 24, 2),
+                            4.0).sparse_factor == "b"  # fmt: skip
+    assert SparseLoRALinear(w, None, a, FFILinear(4, 24, 2), 4.0).sparse_factor == "both"
+    bad = [
+        ((w, None, FFILinear(30, 4, 8), b, 8.0), "do not fit a base"),
+        ((w, None, a, nn.Linear(4, 20, bias=False), 8.0), "do not fit a base"),
+        ((w, None, nn.Linear(32, 4, bias=False), b, 8.0), "both factors are dense"),
+        ((w, None, a, nn.Linear(4, 24), 8.0), "lora_b must be an FFILinear or a bias-free"),
+        ((w, nn.Parameter(torch.zeros(5)), a, b, 8.0), r"bias has shape \(5,\)"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            SparseLoRALinear(*args)
+    with pytest.raises(ValueError, match="base_outliers needs an NF4 base"):
+        SparseLoRALinear(w, None, a, b, 8.0, base_outliers={"fraction": 0.01})
