@@ -21,7 +21,8 @@ def owned_prefix(prefix: str) -> str:
     return f"{prefix}{os.getpid()}-"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one another user owns counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -43,7 +44,7 @@ def remove_stale(directory: Path, prefix: str) -> List[Path]:
         return removed
     for path in sorted(directory.glob(f"{prefix}*")):
         pid = path.name[len(prefix) :].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

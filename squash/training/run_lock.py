@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from squash._temporaries import process_alive
 from squash.training import manifest
 from squash.training.config_checks import ConfigKeyError
 
@@ -151,16 +152,6 @@ def check_output_dir(cfg: DictConfig) -> Path:
 
 
 # ---- the lock -------------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def describe(record: Dict[str, Any]) -> str:
     """One line naming the run of a lock record."""
     started = record.get("started")
@@ -280,7 +271,7 @@ class RunLock:
         previous = read_lock(self.output_dir)
         if previous and previous.get("pid") is not None:
             state = "no longer running" if (
-                previous.get("host") != socket.gethostname() or not _alive(int(previous["pid"]))
+                previous.get("host") != socket.gethostname() or not process_alive(int(previous["pid"]))
             ) else "not holding the lock"
             log.warning(
                 "%s: taking over the lock of an earlier run (%s), %s",
