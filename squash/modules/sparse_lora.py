@@ -209,8 +209,6 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
                 f"pretrained weight shape {tuple(weight.shape)} != (out_dim, in_dim) = "
                 f"{(self.out_dim, self.in_dim)}"
             )
-        if self.rank > min(self.in_dim, self.out_dim):
-            raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={self.rank}")
         _svd_init_(self.weight, self.lora_a, self.lora_b, self.scaling, weight)
 
     # ---- forward and export -------------------------------------------------------------------
@@ -408,8 +406,6 @@ def sparse_lora_linear(
     lora_b = lora_factor(rank, out_dim, sparsity if sparse_b else None, **factory)
     _init_lora_values_(lora_a, lora_b, generator)  # the FFI factors drew their patterns already
     if init == "svd" and not weight.is_meta:  # on meta there is nothing to factor yet
-        if rank > min(in_dim, out_dim):
-            raise ValueError(f"svd init needs rank <= min(in_dim, out_dim), got rank={rank}")
         _svd_init_(weight, lora_a, lora_b, alpha / rank, weight)
     if quantize_base and not isinstance(weight, NF4Tensor):
         weight = nn.Parameter(quantize_nf4(weight.detach(), where, **quantization_kwargs),
