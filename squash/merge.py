@@ -4,7 +4,7 @@ export`` writes as GGUF and ``squash chat`` talks to.
 A checkpoint saved with merged weights (``save_adapter_weights_only: False``) is read as it is.
 One saved with the adapter alone (what the shipped configs save) is merged here, in memory, into
 the base model its ``checkpoint.json`` records, exactly as the recipe merges when it writes the
-merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual, FFI
+merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual or LoftQ's base, FFI
 adapter; :func:`squash.training.model_setup.setup_adapter_model`, the recipes' own path), the
 adapter loaded, then :func:`squash.export.adapters.merged_weights` (``W + alpha / rank * B A``
 on the dequantized base) and the family's key conversion. Nothing is written anywhere.
@@ -226,8 +226,9 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     list of them (no nested ``_component_``, no mapping but ``base_outliers``' keys of plain
     values, no ``${...}`` interpolation), and the adapter values of the right type and range
     (the recipes' own :func:`~squash.training.config_checks.check_model_values`: ``lora_rank``,
-    ``lora_alpha``, ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init``,
-    ``base_outliers``, the true/false keys). A checkpoint someone sent must never name code that
+    ``lora_alpha``, ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init`` and
+    ``loftq_iterations`` (read by the assembly, whatever the builder takes), ``base_outliers``,
+    the true/false keys). A checkpoint someone sent must never name code that
     runs, nor build from a value no recipe would accept.
 
     Raises:
@@ -236,7 +237,11 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     import inspect
 
     from squash.models import adapter_builders
-    from squash.training.config_checks import ConfigKeyError, check_model_values
+    from squash.training.config_checks import (
+        MODEL_ASSEMBLY_KEYS,
+        ConfigKeyError,
+        check_model_values,
+    )
 
     if not isinstance(block, dict):
         raise ValueError(f"{where}: model is {type(block).__name__}, not a mapping of builder "
@@ -256,7 +261,8 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     for key, value in block.items():
         if key == "_component_":
             continue
-        if not isinstance(key, str) or not (key in named or (any_key and key.isidentifier())):
+        known = key in named or key in MODEL_ASSEMBLY_KEYS  # init: the assembly reads it
+        if not isinstance(key, str) or not (known or (any_key and key.isidentifier())):
             raise ValueError(f"{where}: model.{key} is not an argument of {component}")
         if key == "base_outliers" and isinstance(value, dict):
             values = _outlier_values(value, where)

@@ -38,6 +38,7 @@ _LAZY = {
     "removal_gains": "outliers",
     "select_outliers": "outliers",
     "split_outliers": "outliers",
+    "LoftQ": "loftq",
     "loftq_factors": "loftq",
 }
 
@@ -50,6 +51,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CRITERIA",
+    "LoftQ",
     "NF4Linear",
     "NF4LoRALinear",
     "NF4Tensor",

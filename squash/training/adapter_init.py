@@ -17,6 +17,8 @@ from torch import nn
 from squash.modules import FFILinear, SparseLoRALinear, get_adapter_modules, is_plain_lora
 from squash.modules.ffi_linear import kaiming_uniform_
 from squash.modules.sparse_lora import initialize_lora_factors_, svd_factors
+from squash.nf4 import NF4Tensor
+from squash.nf4.loftq import loftq
 
 
 def module_generator(seed: int, name: str) -> torch.Generator:
@@ -125,3 +127,85 @@ def svd_initial_state(
         adapter.update({f"{name}.{k}": v.to(held[k].dtype) for k, v in state.items()})
         residual[key] = rest.float().to(module.weight.dtype)
     return adapter, residual
+
+
+def loftq_initial_state(
+    model: nn.Module, base_state_dict: Mapping[str, torch.Tensor], iterations: int = 1
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """LoftQ initialisation (``model.init: loftq``) of every adapter on an NF4 base, computed
+    on full CPU tensors: :func:`squash.nf4.loftq` alternates the NF4 quantization of
+    ``W - s B A`` (at the module's block sizes and dtype) with the factors of ``W - dequant``.
+
+    The factor step is the adapter's own initialisation from a matrix: for torchtune's QLoRA
+    ``LoRALinear``, PEFT's (the best rank-``r`` approximation, singular values split evenly,
+    divided by ``sqrt(alpha / r)`` so the scaled product is that approximation); for a
+    ``SparseLoRALinear``, :func:`~squash.modules.sparse_lora.svd_factors` (the sparse factors
+    pruned to FFI, the dense one refitted).
+
+    Args:
+        model (nn.Module): the model (meta or sharded: only its structure is read).
+        base_state_dict (Mapping[str, torch.Tensor]): the unquantized checkpoint weights.
+        iterations (int): LoftQ's alternations (``model.loftq_iterations``), >= 1.
+
+    Returns:
+        Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]: the adapter tensors, and what
+        each NF4 base loads (``W`` after one iteration, ``W - s B A`` of the one before after
+        more; the model quantizes it to the NF4 LoftQ paired with the factors), keyed as in
+        ``model.state_dict()``.
+
+    Raises:
+        ValueError: an adapter whose base is not NF4, or whose weight ``base_state_dict``
+            lacks, naming it.
+    """
+    adapter, quantized = {}, {}
+    for name, module in get_adapter_modules(model).items():
+        key = f"{name}.weight"
+        weight = module.weight
+        if not isinstance(weight, NF4Tensor):
+            raise ValueError(f"{name}: init loftq needs an NF4 base (quantize_base: true), got "
+                             f"a {type(weight).__name__} weight")  # fmt: skip
+        if key not in base_state_dict:
+            raise ValueError(f"{name}: the base checkpoint has no {key} to initialise from")
+        held = dict(module.named_parameters(), **dict(module.named_buffers()))
+        if isinstance(module, SparseLoRALinear):
+            step = _sparse_step(module)
+        elif is_plain_lora(module):
+            step = _dense_step(module.rank, module.alpha / module.rank)
+        else:
+            raise ValueError(f"{name}: cannot initialise a {type(module).__name__} adapter")
+        result = loftq(
+            base_state_dict[key].detach().cpu(), iterations, step, dtype=weight.dtype,
+            block_size=weight.block_size,
+            scaler_block_size=weight.scaler_block_size, name=key,
+        )  # fmt: skip
+        adapter.update({f"{name}.{k}": v.to(held[k].dtype) for k, v in result.factors.items()})
+        quantized[key] = result.quantized.to(weight.dtype)
+    return adapter, quantized
+
+
+def _dense_step(rank: int, scaling: float):
+    """PEFT's LoftQ step for a dense ``LoRALinear`` of ``scaling``: ``(factors, s B A)``."""
+
+    def step(error: torch.Tensor):
+        u, s, vh = torch.linalg.svd(error, full_matrices=False)
+        root = s[:rank].sqrt()
+        b, a = u[:, :rank] * root, root[:, None] * vh[:rank]
+        product = torch.mm(b, a)
+        root_scale = scaling**0.5
+        return {"lora_a.weight": a / root_scale, "lora_b.weight": b / root_scale}, product
+
+    return step
+
+
+def _sparse_step(module: SparseLoRALinear):
+    """LoftQ's step for a ``SparseLoRALinear``: its SVD initialisation of the error."""
+
+    def step(error: torch.Tensor):
+        state, rest = svd_factors(
+            error, rank=module.rank, scaling=module.scaling,
+            fan_in_a=getattr(module.lora_a, "fan_in", None),
+            fan_in_b=getattr(module.lora_b, "fan_in", None),
+        )  # fmt: skip
+        return state, (error.double() - rest).float()
+
+    return step

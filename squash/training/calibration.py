@@ -24,7 +24,7 @@ from torchtune import config, training
 from squash.modules.adapter import state_dict_key
 from squash.nf4 import SecondMoment
 from squash.nf4.base_outliers import outlier_modules, parse_base_outliers, set_corrected_base_
-from squash.training.config_checks import ConfigKeyError
+from squash.training.config_checks import ConfigKeyError, builder_block
 
 __all__ = [
     "apply_base_outliers_",
@@ -106,10 +106,8 @@ def model_second_moments(
                              "tokenizer for its calibration text; none was given here")  # fmt: skip
     tokens = calibration_tokens(tokenizer, cal["samples"], cal["max_seq_len"]).to(device)
     overrides = {"quantize_base": False, "base_outliers": None}
-    if "init" in cfg_model:
-        overrides["init"] = "lora"
     with training.set_default_dtype(dtype), torch.device(device):
-        model = config.instantiate(cfg_model, **overrides)
+        model = config.instantiate(builder_block(cfg_model), **overrides)
     missing, unexpected = model.load_state_dict(base_state_dict, strict=False)
     missing = [k for k in missing if ".lora_" not in k]
     if missing or unexpected:

@@ -30,6 +30,10 @@ FINETUNE_CONFIG_KEYS = frozenset({
     "low_cpu_ram", "cudnn_deterministic_mode", "resume_allow_config_change", "lora_plus_lr_ratio",
 })  # fmt: skip
 MASK_UPDATE_KEYS = frozenset({"every_n_steps", "drop_fraction", "until_step"})
+# Keys of the ``model`` block the assembly reads, not the builder: how the adapters start.
+MODEL_ASSEMBLY_KEYS = ("init", "loftq_iterations")
+# ``model.init``: the builders' own (lora, svd) and the assembly's LoftQ.
+MODEL_INITS = ("lora", "svd", "loftq")
 
 
 class ConfigKeyError(ValueError):
@@ -94,6 +98,8 @@ def check_component(node: Any, where: str, *, positional: int = 0) -> None:
         return
     names = [n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL][positional:]
     for key in node.keys():
+        if where == "model" and key in MODEL_ASSEMBLY_KEYS:
+            continue  # the assembly's (:func:`builder_block`), whatever the builder takes
         if key != "_component_" and key not in names:
             raise ConfigKeyError(
                 f"{where}.{key}: {path} takes no argument {key!r}{_nearest(key, names)}"
@@ -331,14 +337,15 @@ def _check_optimizer(node: Any) -> None:
 def check_model_values(model: Mapping, where: str = "model") -> None:
     """The adapter values of a ``model`` block, where present: ``lora_rank`` an integer >= 1,
     ``lora_alpha`` a finite number, ``lora_dropout`` and ``sparsity`` in [0, 1),
-    ``sparse_factor`` one of a, b, both, ``init`` one of lora, svd, its true/false keys real
+    ``sparse_factor`` one of a, b, both, ``init`` one of lora, svd, loftq (``loftq_iterations``
+    an integer >= 1, only with loftq; loftq without ``base_outliers``), its true/false keys real
     booleans, and ``base_outliers`` (``fraction`` in (0, 0.5], a known ``criterion`` and
     ``calibration`` keys, only with an NF4 base).
 
     Raises:
         ConfigKeyError: naming the key (``model.sparsity``) and what it must be.
     """
-    from squash._checks import INITS, SPARSE_FACTORS
+    from squash._checks import SPARSE_FACTORS
 
     get_int(model, "lora_rank", None, minimum=1, where=where)
     alpha = model.get("lora_alpha", None)
@@ -358,11 +365,36 @@ def check_model_values(model: Mapping, where: str = "model") -> None:
             f"{where}.sparse_factor must be one of {', '.join(SPARSE_FACTORS)}, got {factor!r}"
         )
     init = model.get("init", None)
-    if init is not None and init not in INITS:
-        raise ConfigKeyError(f"{where}.init must be one of {', '.join(INITS)}, got {init!r}")
+    if init is not None and init not in MODEL_INITS:
+        raise ConfigKeyError(f"{where}.init must be one of {', '.join(MODEL_INITS)}, got {init!r}")
+    get_int(model, "loftq_iterations", None, minimum=1, where=where)
+    if model.get("loftq_iterations", None) is not None and init != "loftq":
+        raise ConfigKeyError(f"{where}.loftq_iterations is set but {where}.init is "
+                             f"{init or 'lora'!r}; set init: loftq or remove it")  # fmt: skip
+    if init == "loftq" and model.get("base_outliers", None) is not None:
+        raise ConfigKeyError(f"{where}.init: loftq spends the adapter on plain NF4's error; "
+                             f"remove {where}.base_outliers or use init: lora")  # fmt: skip
     for key in MODEL_BOOLEAN_KEYS:
         _boolean(model, key, where)
     _check_base_outliers(model, where)
+
+
+def builder_block(cfg_model: DictConfig) -> DictConfig:
+    """``cfg_model`` as its builder takes it: without the assembly's keys
+    (:data:`MODEL_ASSEMBLY_KEYS`), and with ``init: lora`` for a builder that takes ``init``
+    when the block sets one (the assembly applies ``svd`` and ``loftq`` to the loaded
+    weights)."""
+    from torchtune.config._utils import _get_component_from_path
+
+    block = OmegaConf.masked_copy(cfg_model, [k for k in cfg_model if k not in MODEL_ASSEMBLY_KEYS])
+    if "init" in cfg_model:
+        try:
+            params = inspect.signature(_get_component_from_path(cfg_model._component_)).parameters
+        except Exception:  # the component is checked, and named, where it is built
+            params = {}
+        if "init" in params:
+            block.init = "lora"
+    return block
 
 
 def _check_base_outliers(model: Mapping, where: str) -> None:

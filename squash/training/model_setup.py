@@ -17,9 +17,13 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
 from squash.training import checkpoint as ckpt
 from squash.nf4.base_outliers import outlier_modules
-from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
+from squash.training.adapter_init import (
+    initial_adapter_state_dict,
+    loftq_initial_state,
+    svd_initial_state,
+)
 from squash.training.calibration import apply_base_outliers_, model_second_moments
-from squash.training.config_checks import ConfigKeyError
+from squash.training.config_checks import ConfigKeyError, builder_block
 from squash.training.distributed import load_full_state_dict
 from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.training.masks import MaskUpdateSchedule
@@ -80,7 +84,8 @@ def build_adapter_model(
     mask_update: Optional[MaskUpdateSchedule] = None,
 ) -> nn.Module:
     """Build the model of ``cfg_model`` on ``device`` (``"meta"`` too) with the LoRA init (an
-    ``init: svd`` is applied once the base weights are loaded) and only its adapters trainable.
+    ``init: svd`` or ``loftq`` is applied once the base weights are loaded, by
+    :func:`assemble_adapter_model`) and only its adapters trainable.
     torchtune's NF4 modules (``LoRALinear`` with an NF4 base, ``FrozenNF4Linear``) are computed
     with squash's NF4 kernel (:func:`~squash.modules.use_squash_nf4_`: equal bit for bit).
 
@@ -88,10 +93,9 @@ def build_adapter_model(
         ConfigKeyError: a value the builder refuses (its message, after ``model``), a model
             without adapters, or ``mask_update`` without a sparse factor.
     """
-    overrides = {"init": "lora"} if "init" in cfg_model else {}
     with training.set_default_dtype(dtype), torch.device(device):
         try:
-            model = config.instantiate(cfg_model, **overrides)
+            model = config.instantiate(builder_block(cfg_model))
         except (ValueError, TypeError) as e:  # a value the builder refuses: a config error
             raise ConfigKeyError(f"model ({cfg_model._component_}): {e}") from e
         model = use_squash_nf4_(model)
@@ -116,8 +120,8 @@ class AdapterModel(NamedTuple):
     model: nn.Module
     """The model, adapter parameters trainable and everything else frozen."""
     svd_init: Optional[Dict[str, torch.Tensor]]
-    """With ``init: svd``, the dense factors the adapters started from (the PEFT export is
-    relative to the original weights), in the model's dtype; None otherwise."""
+    """With ``init: svd`` or ``loftq``, the dense factors the adapters started from (the PEFT
+    export is relative to the original weights), in the model's dtype; None otherwise."""
 
 
 def _rank_zero() -> bool:
@@ -145,13 +149,16 @@ def assemble_adapter_model(
     Built on the meta device (nothing drawn), only its adapters trainable, compiled and
     activation-checkpointed as asked, sharded by ``shard`` (FSDP2) or not, then loaded once from
     one full state dict: ``base_state_dict`` (with ``init: svd``, each adapted weight replaced
-    by its SVD residual) plus the adapter: ``adapter`` (resumed) if given, else the SVD factors
-    or the initial adapter, each drawn once from a generator of its own (seed, module name), so
-    every device and world size starts from the same adapter.
+    by its SVD residual; with ``init: loftq``, by what LoftQ quantizes) plus the adapter:
+    ``adapter`` (resumed) if given, else the SVD or LoftQ factors or the initial adapter, each
+    drawn once from a generator of its own (seed, module name), so every device and world size
+    starts from the same adapter.
 
     Args:
         cfg_model (DictConfig): the ``model`` block; ``init: svd`` initialises the adapters from
-            the singular vectors of the base weights.
+            the singular vectors of the base weights, ``init: loftq`` (with
+            ``loftq_iterations``, default 1) from LoftQ's alternation with NF4
+            (:func:`~squash.training.adapter_init.loftq_initial_state`).
         base_state_dict (Dict[str, torch.Tensor]): the base model's weights (torchtune keys).
         device (torch.device): the compute device.
         dtype (torch.dtype): parameter dtype.
@@ -175,15 +182,16 @@ def assemble_adapter_model(
     weights on every assembly, never read from a checkpoint.
 
     Returns:
-        AdapterModel: the model and, with ``init: svd``, its initial dense factors.
+        AdapterModel: the model and, with ``init: svd`` or ``loftq``, its initial dense factors.
 
     Raises:
         ConfigKeyError: a model without adapters, ``mask_update`` without a sparse factor,
-            ``init: svd`` without squash adapters, ``model.base_outliers`` with a sharded
+            ``init: svd`` without squash adapters, ``init: loftq`` with an adapter not on an NF4
+            base, ``model.base_outliers`` with a sharded
             model, or ``criterion: sensitivity`` without a tokenizer.
         ValueError: base weights or an adapter that do not fit the model.
     """
-    svd = cfg_model.get("init", "lora") == "svd"
+    init = cfg_model.get("init", "lora")
     model = build_adapter_model(cfg_model, device="meta", dtype=dtype, mask_update=mask_update)
     adapters = get_adapter_modules(model)
     moments = _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype, shard)
@@ -206,16 +214,13 @@ def assemble_adapter_model(
 
     # Every adapter drawn from a generator of its own (seed, module name): the same adapter on
     # every device and world size.
-    if svd:
-        initial, residual = svd_initial_state(model, base_state_dict)
-        if not initial:
-            raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
+    if init in ("svd", "loftq"):
+        initial, residual = _factored_initial_state(model, cfg_model, base_state_dict)
         base_state_dict = {**base_state_dict, **residual}
-        log.info(f"SVD-initialised {len(residual)} adapters from the loaded base weights")
     else:
         initial = initial_adapter_state_dict(model, seed)
     svd_init = None
-    if svd:  # the PEFT export is relative to the original weights
+    if init in ("svd", "loftq"):  # the PEFT export is relative to the original weights
         # copies: loaded on one device, a dense factor's tensor becomes the live parameter and
         # would train along
         dense = dense_adapter(initial, adapter_layout(model))
@@ -243,6 +248,24 @@ def assemble_adapter_model(
             f"parameters, {dtype}, on {device}{_outliers_summary(model)}"
         )
     return AdapterModel(model, svd_init)
+
+
+def _factored_initial_state(model, cfg_model, base_state_dict):
+    """``init: svd`` or ``loftq``: the adapter tensors and the base weights they replace."""
+    if cfg_model.init == "svd":
+        initial, residual = svd_initial_state(model, base_state_dict)
+        if not initial:
+            raise ConfigKeyError("model.init: svd needs squash (SparseLoRALinear) adapters")
+        log.info(f"SVD-initialised {len(residual)} adapters from the loaded base weights")
+        return initial, residual
+    iterations = cfg_model.get("loftq_iterations", None) or 1
+    try:
+        initial, residual = loftq_initial_state(model, base_state_dict, iterations)
+    except ValueError as e:
+        raise ConfigKeyError(f"model.init: loftq: {e}") from e
+    log.info(f"LoftQ-initialised {len(residual)} adapters ({iterations} iteration(s)) from the "
+             "loaded base weights")  # fmt: skip
+    return initial, residual
 
 
 def _outliers_summary(model: nn.Module) -> str:
@@ -317,7 +340,7 @@ def setup_frozen_model(
         ValueError: naming ``where`` if the weights do not fit the model.
     """
     with training.set_default_dtype(dtype), device:
-        model = use_squash_nf4_(config.instantiate(cfg_model))
+        model = use_squash_nf4_(config.instantiate(builder_block(cfg_model)))
     moments = _outlier_moments(model, cfg_model, state_dict, tokenizer, device, dtype, None)
     load_all_but_adapters(
         model, state_dict, f"The checkpoint of {where} does not fit {cfg_model._component_}"

@@ -232,7 +232,7 @@ def _edited_model_block(twin: Path, dest: Path, key: str, value) -> Path:
     ("lora_dropout", 1.0, "must be a number in [0, 1), got 1.0"),
     ("sparse_factor", "c", "must be one of a, b, both, got 'c'"),
     ("lora_alpha", "x", "must be a finite number, got 'x'"),
-    ("init", "bogus", "must be one of lora, svd, got 'bogus'"),
+    ("init", "bogus", "must be one of lora, svd, loftq, got 'bogus'"),
     ("quantize_base", "yes", "must be true or false, got 'yes'"),
 ])  # fmt: skip
 def test_chat_and_export_check_the_model_block_s_values_before_building(
