@@ -52,6 +52,7 @@ from torchtune.datasets import instruct_dataset  # noqa: E402
 
 from squash.models.opt import opt, opt_tokenizer, opt_tune_to_hf  # noqa: E402
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
+from squash.training.heldout import token_loss  # noqa: E402
 
 from common import host, mean_std  # noqa: E402
 
@@ -162,8 +163,7 @@ def score_logits(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
         labels (torch.Tensor): ``(b, s)``, next-token targets, ``IGNORE`` off the answer.
     """
     mask = labels != IGNORE
-    ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE,
-                         reduction="sum")  # fmt: skip
+    ce, _ = token_loss(logits, labels, IGNORE)  # squash's held-out loss
     hit = (logits.argmax(-1) == labels) | ~mask  # (b, s)
     return float(ce), int(mask.sum()), int(hit.all(-1).sum()), labels.shape[0]
 

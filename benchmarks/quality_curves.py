@@ -46,6 +46,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa: E402
 
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
+from squash.training.heldout import next_token_loss  # noqa: E402
 
 from common import adapted_shapes as _shapes  # noqa: E402
 from common import has_matplotlib, host, mean_std, pyplot, save_png, welch  # noqa: E402
@@ -271,12 +272,8 @@ def load_split(task: str, tok, split: str, n: int) -> list:
 def score_batch(logits: torch.Tensor, labels: torch.Tensor, required: list) -> tuple:
     """``(summed cross-entropy over answer tokens, answer tokens, exact-match flags)`` of one
     batch; ``labels`` ``(b, s)`` unshifted (position t's logits predict labels[t + 1])."""
-    logits, targets = logits[:, :-1].float(), labels[:, 1:]
-    # over the last dimension, summed in float64: torch's CPU log-softmax over a middle (class)
-    # dimension is off by up to about 1e-4 nats a token against float64, this by about 1e-7
-    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           targets.reshape(-1), ignore_index=IGNORE,
-                                           reduction="none").double().sum()  # fmt: skip
+    ce, _ = next_token_loss(logits, labels, IGNORE)  # squash's held-out loss
+    logits, targets = logits[:, :-1], labels[:, 1:]
     valid = targets != IGNORE
     rank = torch.cumsum(valid.int(), dim=1)  # 1 at a row's first answer token
     need = valid & (rank <= torch.tensor(required, device=labels.device)[:, None])

@@ -54,11 +54,11 @@ from pathlib import Path
 os.environ.setdefault("TQDM_DISABLE", "1")  # the recipe's progress bar, once per run
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa: E402
 
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
+from squash.training.heldout import token_loss  # noqa: E402
 
 from common import DTYPES, host, mean_std, welch  # noqa: E402
 from common import adapted_shapes as _shapes  # noqa: E402
@@ -161,10 +161,7 @@ def score_logits(logits: torch.Tensor, labels: torch.Tensor, stop_tokens: list) 
         labels (torch.Tensor): ``(b, s)`` next-token targets.
         stop_tokens (list): token ids that end an answer.
     """
-    # over the last dimension, summed in float64 (the class-dimension layout of cross_entropy is
-    # off by up to about 1e-4 nats a token on CPU)
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=IGNORE, reduction="none").double().sum()  # fmt: skip
+    ce, _ = token_loss(logits, labels, IGNORE)  # squash's held-out loss
     span = answer_span(labels, stop_tokens)
     hit = (logits.argmax(-1) == labels) | ~span
     return float(ce), int((labels != IGNORE).sum()), int(hit.all(-1).sum()), labels.shape[0]

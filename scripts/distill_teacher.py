@@ -96,7 +96,9 @@ def records(tokenizer, corpus: Path, split: str) -> list:
 
 
 def hf_loss(model, samples: list, batch_size: int = 32) -> float:
-    """Token-weighted next-token cross-entropy of a transformers model on ``samples``, by hand."""
+    """Token-weighted next-token cross-entropy of a transformers model on ``samples``, by hand in
+    float64: the independent reference ``tests/recipes/test_squash_distill.py`` holds
+    ``squash_eval`` (:func:`squash.training.heldout.token_loss`) against, so not computed by it."""
     from torchtune.data import padded_collate_sft
 
     total, count = 0.0, 0
