@@ -170,23 +170,17 @@ def build(args, kwargs, base_state_dict):
     return model, optimizer
 
 
-def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor=None):
-    """SmolLM2 with ``args.layers`` layers as ``squash.models.smollm2``'s builders make it:
-    torchtune's ``lora_llama3_2``, NF4 bases with block sizes chosen per weight
-    (``quantize_base_``), then, for squash, FFI-sparse adapters swapped in."""
-    from torchtune.models.llama3_2._component_builders import lora_llama3_2
+def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor="a"):
+    """SmolLM2 with ``args.layers`` layers as ``squash.models.smollm2``'s builders build it, in
+    one pass (:func:`squash.models.squash_llama3_2`: NF4 bases with block sizes chosen per
+    weight, FFI-sparse adapters or, with ``sparsity=None``, torchtune's dense ones, the tied
+    head computed by ``FlatTiedLinear``)."""
+    from squash.models import squash_llama3_2
 
-    from squash.modules import flatten_tied_output, swap_lora_linear
-    from squash.nf4 import quantize_base_
-
-    model = lora_llama3_2(MODULES, True, num_layers=args.layers, lora_rank=lora_rank,
-                          lora_alpha=2 * lora_rank, quantize_base=False, **args.model)  # fmt: skip
-    flatten_tied_output(model)
-    if quantize_base:
-        quantize_base_(model)
-    if sparsity is not None:
-        model = swap_lora_linear(model, sparsity=sparsity, sparse_factor=sparse_factor)
-    return model
+    return squash_llama3_2(MODULES, True, num_layers=args.layers, lora_rank=lora_rank,
+                           lora_alpha=2 * lora_rank, quantize_base=quantize_base,
+                           sparsity=sparsity, sparse_factor=sparse_factor, state_dict_dtype=None,
+                           **args.model)  # fmt: skip
 
 
 def as_torchtune_nf4_(model):
