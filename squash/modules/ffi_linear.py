@@ -8,7 +8,7 @@ every row, held as a trainable ``values`` parameter ``(out_features, fan_in)`` a
 """
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -36,14 +36,9 @@ class FFILinear(nn.Module):
     (Kaiming-uniform with ``a=sqrt(5)``, i.e. ``U(-1/sqrt(k), 1/sqrt(k))``), so each output has
     the variance of a dense layer with ``k`` inputs.
 
-    ``forward`` is the op call. Mask updates need the gradient of the logical dense weight,
-    ``grad_out^T @ x`` summed over tokens: :meth:`record_dense_grad` installs a forward hook that
-    computes the output as a dense product through a zero leaf ``(out_features, in_features)``
-    tensor whose ``.grad`` then accumulates exactly that (also across gradient accumulation and
-    activation checkpointing). It costs one dense ``(out_features, in_features)`` weight, its
-    gradient and the dense matmul, only while installed; :meth:`record_grow_candidates` installs
-    one that reduces each backward's gradient to growth candidates. Both hooks are removed when
-    recording stops.
+    ``forward`` is the op call. What a mask update records during a backward (the dense weight
+    gradient, or growth candidates) is installed on the module from outside, by
+    :mod:`squash.training.masks`: the module itself knows nothing of training.
 
     Args:
         in_features (int): input width.
@@ -83,9 +78,6 @@ class FFILinear(nn.Module):
             "indices",
             torch.empty(out_features, fan_in, dtype=index_dtype(in_features), device=device),
         )
-        self._dense_probe: Optional[torch.Tensor] = None
-        self._grow_n = 0  # > 0: the next backwards record growth candidates (mask updates)
-        self.grow_candidates: Optional[torch.Tensor] = None
         if indices is None:
             self.reset_parameters(generator=generator)
         else:
@@ -167,59 +159,6 @@ class FFILinear(nn.Module):
         x = x.to(self.values.dtype)
         return ffi_linear(x, self.values, self.indices, in_features=self.in_features)
 
-    # ---- dense gradient for mask updates -----------------------------------------------------
-    def record_dense_grad(self, enabled: bool = True) -> None:
-        """Start (or stop and free) accumulating the dense weight gradient in :attr:`dense_grad`.
-
-        While enabled, every backward adds ``grad_out^T @ x`` (summed over all leading dims) to
-        :attr:`dense_grad`; the values receive the same gradient as on the sparse path.
-        """
-        self._dense_probe = None  # made by the next forward while enabled
-        _set_hook(self, _dense_product, bool(enabled))
-
-    def record_grow_candidates(self, n: int) -> None:
-        """Record, at each following backward, the ``n`` best columns to grow in every row.
-
-        The candidates of a row are its ``n`` absent columns of largest ``|grad_out^T @ x|``
-        (the dense weight gradient of that backward, summed over tokens; ties to the lower
-        column), kept in :attr:`grow_candidates` ``(out_features, n)``, best first. The dense
-        gradient is computed in blocks of rows of at most 4 MiB and reduced to the candidates at
-        once, so recording costs ``(out_features, n)`` indices, not a dense ``(out, in)`` matrix
-        (compare :meth:`record_dense_grad`). Each backward replaces the previous candidates: with
-        gradient accumulation, record during the last micro-batch. ``n = 0`` stops and frees.
-
-        Raises:
-            ValueError: if ``n`` is negative or more than the absent columns of a row.
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.in_features - self.fan_in:
-            raise ValueError(
-                f"n must be an integer in [0, in_features - fan_in = "
-                f"{self.in_features - self.fan_in}], got {n!r}"
-            )
-        self._grow_n = n
-        self.grow_candidates = None
-        _set_hook(self, _watch_gradient, n > 0)
-
-    @torch.no_grad()
-    def _record_candidates(self, x: torch.Tensor, grad: torch.Tensor) -> None:
-        x2 = x.reshape(-1, self.in_features).float()  # (T, in)
-        g2 = grad.reshape(-1, self.out_features).float()  # (T, out)
-        idx = self.indices.long()
-        rows = max(1, (1 << 20) // self.in_features)  # fp32 scores of at most 4 MiB at once
-        best = torch.empty(self.out_features, self._grow_n, dtype=torch.long, device=x.device)
-        for r0 in range(0, self.out_features, rows):
-            r1 = min(r0 + rows, self.out_features)
-            score = (g2[:, r0:r1].T @ x2).abs_()  # (rows, in): |dense gradient| of these rows
-            score.scatter_(1, idx[r0:r1], -1.0)  # present columns rank last
-            order = torch.sort(score, dim=1, descending=True, stable=True).indices
-            best[r0:r1] = order[:, : self._grow_n]
-        self.grow_candidates = best
-
-    @property
-    def dense_grad(self) -> Optional[torch.Tensor]:
-        """``(out_features, in_features)`` accumulated dense gradient, or None if not recorded."""
-        return None if self._dense_probe is None else self._dense_probe.grad
-
     # ---- checkpoints ---------------------------------------------------------------------------
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -245,40 +184,6 @@ class FFILinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"fan_in={self.fan_in}, sparsity={self.sparsity:.3f}"
         )
-
-
-def _set_hook(module: nn.Module, hook: Callable, installed: bool) -> None:
-    """Install the forward hook ``hook`` on ``module`` once, or remove it. Found by identity
-    rather than through a stored handle, so that a deep copy of the module (whose hooks are
-    copied with it) switches its own hooks."""
-    for key in [k for k, h in module._forward_hooks.items() if h is hook]:
-        del module._forward_hooks[key]
-    if installed:
-        module.register_forward_hook(hook)
-
-
-def _dense_product(module: FFILinear, args: tuple, y: torch.Tensor) -> torch.Tensor:
-    """(record_dense_grad's forward hook) the output as the dense product through the zero leaf
-    probe, so that ``probe.grad`` accumulates ``grad_out^T @ x`` and the values get their
-    gradient through the same product."""
-    x = args[0].to(module.values.dtype)
-    if module._dense_probe is None:
-        # made at the first forward, where the values are: under FSDP2 with CPU offload the
-        # module's sharded values live on the CPU, the gathered ones on the accelerator
-        module._dense_probe = torch.zeros(
-            module.out_features, module.in_features, dtype=module.values.dtype,
-            device=x.device, requires_grad=True,
-        )  # fmt: skip
-    weight = module.to_dense() + module._dense_probe  # (out, in); probe.grad = grad_out^T x
-    return nn.functional.linear(x, weight)
-
-
-def _watch_gradient(module: FFILinear, args: tuple, y: torch.Tensor) -> None:
-    """(record_grow_candidates' forward hook) reduce the output's gradient to growth
-    candidates during the backward (not while the dense gradient is recorded whole)."""
-    if y.requires_grad and _dense_product not in module._forward_hooks.values():
-        x_seen = args[0].to(module.values.dtype).detach()  # autograd keeps x anyway
-        y.register_hook(lambda grad: module._record_candidates(x_seen, grad))
 
 
 def kaiming_uniform_(

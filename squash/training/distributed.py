@@ -35,8 +35,10 @@ from squash.modules.adapter import state_dict_key
 from squash.nf4 import NF4Tensor, to_nf4
 from squash.training.masks import (
     check_drop_keeps_adapters,
+    dense_grad,
     entries_replaced,
     prune_and_regrow,
+    record_dense_grad,
 )
 
 _NF4_SHARDED_PARTS = ("quantized_scalers", "quantization_factor", "quantized_data")
@@ -309,9 +311,9 @@ def update_masks_sharded(
             continue
         if entries_replaced(drop_fraction, module.fan_in, module.in_features) == 0:
             replaced[name] = 0  # nothing moves in this factor: no gradient needed, none reduced
-            module.record_dense_grad(False)
+            record_dense_grad(module, False)
             continue
-        grad = module.dense_grad
+        grad = dense_grad(module)
         if grad is None:
             raise ValueError(
                 f"no dense gradient for {name!r}: record_dense_grads(model) must be on during the "
@@ -339,7 +341,7 @@ def update_masks_sharded(
         _write_back(param, values)
         for key, full in moments.items():
             _write_back(state[key], full)
-        module.record_dense_grad(False)
+        record_dense_grad(module, False)
     return replaced
 
 

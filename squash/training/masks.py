@@ -13,14 +13,20 @@ Ties are broken towards lower columns, both when dropping (equal ``|value|``) an
 (equal ``|grad|``), so an update is a deterministic function of its inputs. Without a dense
 gradient, growth is uniformly random among the absent columns (SET), drawn from ``generator``.
 
-The dense gradient of an FFI factor is ``grad_out^T @ x`` ``(out, in)``; an
-:class:`~squash.modules.FFILinear` records it when asked (``record_dense_grad``), see
-:func:`record_dense_grads`.
+The dense gradient of an FFI factor is ``grad_out^T @ x`` ``(out, in)``. What a backward records
+for an update is installed here on each :class:`~squash.modules.FFILinear` as a forward hook,
+with its state beside the module (the module knows nothing of training):
+:func:`record_dense_grad` computes the output as a dense product through a zero leaf
+``(out, in)`` tensor whose ``.grad`` then accumulates exactly that gradient (across gradient
+accumulation and activation checkpointing too), at the cost of a dense weight, its gradient and
+the dense matmul while installed; :func:`record_module_grow_candidates` reduces each backward's
+gradient to growth candidates instead. Both hooks are removed when recording stops; model-wide:
+:func:`record_dense_grads`, :func:`record_grow_candidates`.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from torch import nn
@@ -113,7 +119,7 @@ def prune_and_regrow(
         drop_fraction (float): fraction of each row's ``k`` entries to replace, in ``[0, 1]``.
         in_features (Optional[int]): width of the dense matrix; taken from ``dense_grad`` if given.
         grow_candidates (Optional[torch.Tensor]): ``(out, m)`` absent columns of each row, best
-            first, ``m >`` the entries replaced (as :meth:`FFILinear.record_grow_candidates`
+            first, ``m >`` the entries replaced (as :func:`record_module_grow_candidates`
             records them); the first of them are grown. Only without ``dense_grad``.
         optimizer_state (Optional[Mapping[str, Any]]): the optimizer's state of ``values``
             (``optimizer.state[values]``, e.g. AdamW's ``exp_avg`` and ``exp_avg_sq``): every
@@ -214,6 +220,109 @@ def entries_replaced(drop_fraction: float, k: int, in_features: int) -> int:
     return min(round(drop_fraction * k), in_features - k)
 
 
+# ---- what a backward records for an update --------------------------------------------------
+# State kept beside each FFILinear while recording (plain attributes: never in a state dict).
+_PROBE, _WANTED, _CANDIDATES = "_mask_dense_probe", "_mask_grow_n", "_mask_grow_candidates"
+
+
+def record_dense_grad(module: FFILinear, enabled: bool = True) -> None:
+    """Start (or stop and free) accumulating ``module``'s dense weight gradient
+    (:func:`dense_grad`).
+
+    While enabled, every backward adds ``grad_out^T @ x`` (summed over all leading dims); the
+    values receive the same gradient as on the sparse path.
+    """
+    setattr(module, _PROBE, None)  # made by the next forward while enabled
+    _set_hook(module, _dense_product, bool(enabled))
+
+
+def dense_grad(module: FFILinear) -> Optional[torch.Tensor]:
+    """``(out_features, in_features)`` dense gradient recorded by :func:`record_dense_grad`, or
+    None if not recorded."""
+    probe = getattr(module, _PROBE, None)
+    return None if probe is None else probe.grad
+
+
+def record_module_grow_candidates(module: FFILinear, n: int) -> None:
+    """Record, at each following backward, the ``n`` best columns to grow in every row of
+    ``module`` (:func:`grow_candidates`).
+
+    The candidates of a row are its ``n`` absent columns of largest ``|grad_out^T @ x|`` (the
+    dense weight gradient of that backward, summed over tokens; ties to the lower column), best
+    first. The dense gradient is computed in blocks of rows of at most 4 MiB and reduced to the
+    candidates at once, so recording costs ``(out_features, n)`` indices, not a dense
+    ``(out, in)`` matrix (compare :func:`record_dense_grad`). Each backward replaces the
+    previous candidates: with gradient accumulation, record during the last micro-batch.
+    ``n = 0`` stops and frees.
+
+    Raises:
+        ValueError: if ``n`` is negative or more than the absent columns of a row.
+    """
+    room = module.in_features - module.fan_in
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= room:
+        raise ValueError(f"n must be an integer in [0, in_features - fan_in = {room}], got {n!r}")
+    setattr(module, _WANTED, n)
+    setattr(module, _CANDIDATES, None)
+    _set_hook(module, _watch_gradient, n > 0)
+
+
+def grow_candidates(module: FFILinear) -> Optional[torch.Tensor]:
+    """``(out_features, n)`` growth candidates recorded by :func:`record_module_grow_candidates`
+    at the last backward, best first, or None."""
+    return getattr(module, _CANDIDATES, None)
+
+
+def _set_hook(module: nn.Module, hook: Callable, installed: bool) -> None:
+    """Install the forward hook ``hook`` on ``module`` once, or remove it. Found by identity
+    rather than through a stored handle, so that a deep copy of the module (whose hooks are
+    copied with it) switches its own hooks."""
+    for key in [k for k, h in module._forward_hooks.items() if h is hook]:
+        del module._forward_hooks[key]
+    if installed:
+        module.register_forward_hook(hook)
+
+
+def _dense_product(module: FFILinear, args: tuple, y: torch.Tensor) -> torch.Tensor:
+    """(:func:`record_dense_grad`'s forward hook) the output as the dense product through the
+    zero leaf probe, so that ``probe.grad`` accumulates ``grad_out^T @ x`` and the values get
+    their gradient through the same product."""
+    x = args[0].to(module.values.dtype)
+    probe = getattr(module, _PROBE, None)
+    if probe is None:
+        # made at the first forward, where the values are: under FSDP2 with CPU offload the
+        # module's sharded values live on the CPU, the gathered ones on the accelerator
+        probe = torch.zeros(module.out_features, module.in_features, dtype=module.values.dtype,
+                            device=x.device, requires_grad=True)  # fmt: skip
+        setattr(module, _PROBE, probe)
+    weight = module.to_dense() + probe  # (out, in); probe.grad = grad_out^T x
+    return nn.functional.linear(x, weight)
+
+
+def _watch_gradient(module: FFILinear, args: tuple, y: torch.Tensor) -> None:
+    """(:func:`record_module_grow_candidates`' forward hook) reduce the output's gradient to
+    growth candidates during the backward (not while the dense gradient is recorded whole)."""
+    if y.requires_grad and _dense_product not in module._forward_hooks.values():
+        x_seen = args[0].to(module.values.dtype).detach()  # autograd keeps x anyway
+        y.register_hook(lambda grad: _record_candidates(module, x_seen, grad))
+
+
+@torch.no_grad()
+def _record_candidates(module: FFILinear, x: torch.Tensor, grad: torch.Tensor) -> None:
+    n = getattr(module, _WANTED)
+    x2 = x.reshape(-1, module.in_features).float()  # (T, in)
+    g2 = grad.reshape(-1, module.out_features).float()  # (T, out)
+    idx = module.indices.long()
+    rows = max(1, (1 << 20) // module.in_features)  # fp32 scores of at most 4 MiB at once
+    best = torch.empty(module.out_features, n, dtype=torch.long, device=x.device)
+    for r0 in range(0, module.out_features, rows):
+        r1 = min(r0 + rows, module.out_features)
+        score = (g2[:, r0:r1].T @ x2).abs_()  # (rows, in): |dense gradient| of these rows
+        score.scatter_(1, idx[r0:r1], -1.0)  # present columns rank last
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices
+        best[r0:r1] = order[:, :n]
+    setattr(module, _CANDIDATES, best)
+
+
 def record_dense_grads(model: nn.Module, enabled: bool = True) -> None:
     """Turn dense-gradient recording on (or off, freeing it) for every FFILinear in ``model``.
 
@@ -227,12 +336,12 @@ def record_dense_grads(model: nn.Module, enabled: bool = True) -> None:
         raise ValueError(f"enabled must be a bool, got {enabled!r}")
     for module in model.modules():
         if isinstance(module, FFILinear):
-            module.record_dense_grad(enabled)
+            record_dense_grad(module, enabled)
 
 
 def record_grow_candidates(model: nn.Module, drop_fraction: float) -> Dict[str, int]:
     """Record, during the next backward, what an update at ``drop_fraction`` will grow, for
-    every FFILinear in ``model`` (see :meth:`FFILinear.record_grow_candidates`): the memory of
+    every FFILinear in ``model`` (see :func:`record_module_grow_candidates`): the memory of
     a dense gradient is never held, only ``(out, n)`` candidate columns per factor.
 
     Returns:
@@ -246,7 +355,7 @@ def record_grow_candidates(model: nn.Module, drop_fraction: float) -> Dict[str, 
     for name, module in model.named_modules():
         if isinstance(module, FFILinear):
             wanted[name] = entries_replaced(drop_fraction, module.fan_in, module.in_features)
-            module.record_grow_candidates(wanted[name])
+            record_module_grow_candidates(module, wanted[name])
     return wanted
 
 
@@ -262,8 +371,8 @@ def update_masks(
     """Prune and regrow every FFILinear in ``model`` (see :func:`prune_and_regrow`).
 
     Growth follows ``dense_grads`` (keyed by module name, e.g. ``layers.0.attn.q_proj.lora_a``),
-    or else each module's recorded :attr:`~squash.modules.FFILinear.dense_grad`, or else its
-    recorded :attr:`~squash.modules.FFILinear.grow_candidates` (:func:`record_grow_candidates`,
+    or else each module's recorded :func:`dense_grad`, or else its recorded
+    :func:`grow_candidates` (:func:`record_grow_candidates`,
     the same choice at a fraction of the memory). Recording is switched off afterwards.
 
     Regrown entries start at zero. An adapter whose factors are both FFI
@@ -300,8 +409,8 @@ def update_masks(
         if entries_replaced(drop_fraction, module.fan_in, module.in_features) == 0:
             replaced[name] = 0  # nothing moves in this factor: it needs no gradient
         elif not random_growth:
-            grad = (dense_grads or {}).get(name, module.dense_grad)
-            candidates = module.grow_candidates if grad is None else None
+            grad = (dense_grads or {}).get(name, dense_grad(module))
+            candidates = grow_candidates(module) if grad is None else None
             if grad is None and candidates is None:
                 raise ValueError(
                     f"no dense gradient for {name!r}: call record_grow_candidates(model, ...) "
@@ -319,8 +428,8 @@ def update_masks(
                 optimizer_state=optimizer.state.get(module.values) if optimizer else None,
                 generator=generator,
             )
-        module.record_dense_grad(False)
-        module.record_grow_candidates(0)
+        record_dense_grad(module, False)
+        record_module_grow_candidates(module, 0)
     return replaced
 
 

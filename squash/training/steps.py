@@ -12,8 +12,12 @@ from torchtune import config, training
 from squash.modules import FFILinear, get_adapter_modules
 from squash.training.masks import (
     MaskUpdateSchedule,
+    dense_grad,
+    grow_candidates,
+    record_dense_grad,
     record_dense_grads,
     record_grow_candidates,
+    record_module_grow_candidates,
     update_masks,
 )
 
@@ -179,10 +183,10 @@ def apply_mask_update(
             sparse = [m for m in adapter.modules() if isinstance(m, FFILinear)]
             if not sparse:
                 continue
-            if any(m.dense_grad is None and m.grow_candidates is None for m in sparse):
+            if any(dense_grad(m) is None and grow_candidates(m) is None for m in sparse):
                 for m in sparse:
-                    m.record_dense_grad(False)
-                    m.record_grow_candidates(0)
+                    record_dense_grad(m, False)
+                    record_module_grow_candidates(m, 0)
                 skipped += 1
                 continue
             for sub, n in update_masks(adapter, optimizer, drop).items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from squash.modules import sparse_lora_linear
+from squash.modules import FFILinear, sparse_lora_linear
 from squash.sparsity import random_ffi_indices, validate_ffi
 from squash.training import (
     cosine_drop_fraction,
@@ -18,7 +18,13 @@ from squash.training import (
     record_dense_grads,
     update_masks,
 )
-from squash.training.masks import MaskUpdateSchedule
+from squash.training.masks import (
+    MaskUpdateSchedule,
+    dense_grad,
+    grow_candidates,
+    record_dense_grad,
+    record_module_grow_candidates,
+)
 
 
 def brute_force(values, indices, grad, drop_fraction):
@@ -142,8 +148,8 @@ def test_update_masks_uses_recorded_dense_gradients():
     a = m.lora_a.to_dense().detach().requires_grad_(True)
     b = m.lora_b.to_dense().detach().requires_grad_(True)
     (m.scaling * (x @ a.T) @ b.T).backward(grad_y)
-    torch.testing.assert_close(m.lora_a.dense_grad, a.grad)
-    torch.testing.assert_close(m.lora_b.dense_grad, b.grad)
+    torch.testing.assert_close(dense_grad(m.lora_a), a.grad)
+    torch.testing.assert_close(dense_grad(m.lora_b), b.grad)
 
     opt.step()  # the AdamW state exists; moved entries keep theirs, grown ones get zeros
     expected, old_moments = {}, {}
@@ -164,7 +170,7 @@ def test_update_masks_uses_recorded_dense_gradients():
         idx, val = expected[name]
         assert factor.indices.tolist() == idx.tolist()
         assert torch.equal(factor.values.detach(), val)
-        assert factor.dense_grad is None  # recording is switched off after the update
+        assert dense_grad(factor) is None  # recording is switched off after the update
         # A kept column's moments moved with it to its new slot; a grown column's are zero.
         state, moved = opt.state[factor.values], 0
         for r in range(factor.out_features):
@@ -285,14 +291,14 @@ def test_grow_candidates_choose_what_the_dense_gradient_chooses_without_holding_
         assert wanted == {"f": n}
         (module(x) * g).sum().backward()
         dense_grad = g.reshape(-1, module.out_features).T @ x.reshape(-1, module.in_features)
-        assert module.grow_candidates.shape == (module.out_features, n)
+        assert grow_candidates(module).shape == (module.out_features, n)
 
         reference = copy.deepcopy(module)
         prune_and_regrow(reference.values, reference.indices, dense_grad, 0.3)
         update_masks(model, None, drop_fraction=0.3)
         assert torch.equal(module.indices, reference.indices)
         assert torch.equal(module.values, reference.values)
-        assert module.grow_candidates is None  # freed after the update
+        assert grow_candidates(module) is None  # freed after the update
         # grown entries are exactly the columns that were absent and scored highest
         grown = ffi_to_dense(torch.ones_like(module.values), module.indices, module.in_features)
         assert int(grown.sum()) == module.out_features * module.fan_in
@@ -304,7 +310,7 @@ def test_grow_candidates_are_checked():
 
     module = FFILinear(10, 2, fan_in=3)
     with pytest.raises(ValueError, match="in_features - fan_in = 7"):
-        module.record_grow_candidates(8)
+        record_module_grow_candidates(module, 8)
     present = module.indices.long()
     with pytest.raises(ValueError, match="name a present one"):
         prune_and_regrow(module.values, module.indices, None, 0.34, in_features=10,
@@ -326,7 +332,7 @@ def test_a_factor_where_nothing_moves_needs_no_gradient():
     assert record_grow_candidates(model, 0.1) == {"narrow": 0, "wide": 3}
     x = torch.randn(5, 30)
     (narrow(x).sum() + wide(torch.randn(5, 300)).sum()).backward()
-    assert narrow.grow_candidates is None  # nothing to record
+    assert grow_candidates(narrow) is None  # nothing to record
     assert update_masks(model, None, 0.1) == {"narrow": 0, "wide": 3}
     assert torch.equal(narrow.indices, before)
 
@@ -340,3 +346,27 @@ def test_the_mask_update_schedule_is_due_every_n_steps_before_until_step_with_a_
     for step in (3, 6, 9):
         assert schedule.drop(step) == pytest.approx(0.2 * (1 + math.cos(math.pi * step / 10)))
     assert schedule.drop(10) == 0.0
+
+
+def test_record_dense_grad_gives_grad_out_t_x():
+    """The recorded dense gradient is ``grad_out^T @ x`` by hand, the values' gradient is the
+    sparse path's, and the output is the dense product (FFILinear's own ``to_dense`` is checked
+    against a loop in tests/modules)."""
+    g = torch.Generator().manual_seed(6)
+    m = FFILinear(10, 4, 3, dtype=torch.float64, generator=g)
+    x = torch.randn(2, 5, 10, dtype=torch.float64, generator=g)
+    grad_out = torch.randn(2, 5, 4, dtype=torch.float64, generator=g)
+    m(x).backward(grad_out)
+    sparse_values_grad = m.values.grad.clone()
+    m.values.grad = None
+    record_dense_grad(m, True)
+    y = m(x)
+    torch.testing.assert_close(y, x @ m.to_dense().T)
+    y.backward(grad_out)
+    expected = grad_out.reshape(-1, 4).T @ x.reshape(-1, 10)  # (out, in)
+    torch.testing.assert_close(dense_grad(m), expected)
+    torch.testing.assert_close(m.values.grad, sparse_values_grad)
+    m(x).backward(grad_out)  # accumulates, like .grad does
+    torch.testing.assert_close(dense_grad(m), 2 * expected)
+    record_dense_grad(m, False)
+    assert dense_grad(m) is None

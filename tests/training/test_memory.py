@@ -67,7 +67,7 @@ def real_bytes(model, amsgrad=False, forward=None):
     # The transient probe of a mask update: each FFI factor's dense probe and its gradient.
     record_dense_grads(model)
     forward(model).float().sum().backward()
-    probes = [m._dense_probe for m in model.modules() if isinstance(m, FFILinear)]
+    probes = [getattr(m, "_mask_dense_probe") for m in model.modules() if isinstance(m, FFILinear)]
     counts["mask_update_bytes"] = nbytes(probes) + nbytes([p.grad for p in probes])
     record_dense_grads(model, False)
     return counts
