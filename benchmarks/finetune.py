@@ -61,7 +61,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import finetune_plot
 from common import (DTYPES, OPT_350M, SMOLLM2_135M, adapted_shapes, kernels, machine_line,

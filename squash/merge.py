@@ -20,16 +20,17 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
-from gguf.metadata import Metadata
 from omegaconf import OmegaConf
 
-from squash.export.gguf import load_merged_checkpoint
-from squash.export.gguf_general import finetune_metadata, model_metadata
+from squash.export.hf_files import load_merged_checkpoint
 from squash.training import checkpoint as ckpt
 from squash.training import manifest
+
+if TYPE_CHECKING:  # the gguf package is loaded when a model is read, not on import
+    from gguf.metadata import Metadata
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class CheckpointModel:
     config: Dict[str, Any]
     weights: Dict[str, torch.Tensor]
     tokenizer_dir: Path
-    meta: Metadata
+    meta: "Metadata"
     source: str
     reads: List[Path]
 
@@ -90,6 +91,8 @@ def load_checkpoint_model(checkpoint_dir: Path, base: Optional[Path] = None) -> 
     if has_merged_weights(checkpoint_dir):
         config, weights = load_merged_checkpoint(checkpoint_dir)
         if meta is None:  # a Hugging Face model directory
+            from squash.export.gguf_general import model_metadata
+
             source = f"the Hugging Face checkpoint {checkpoint_dir.name}"
             general = model_metadata(checkpoint_dir)
         else:  # names only, not weights, are read from the recorded base: it is not checked
@@ -119,7 +122,9 @@ def _label(checkpoint_dir: Path, meta: Optional[Dict[str, Any]] = None) -> str:
     return f"{checkpoint_dir.parent.name}/{checkpoint_dir.name}{at}"
 
 
-def _finetune_meta(checkpoint_dir: Path, base_dir: Path) -> Metadata:
+def _finetune_meta(checkpoint_dir: Path, base_dir: Path) -> "Metadata":
+    from squash.export.gguf_general import finetune_metadata, model_metadata
+
     return finetune_metadata(model_metadata(base_dir), _label(checkpoint_dir))
 
 
@@ -393,7 +398,8 @@ def export_checkpoint(
         ValueError: an unknown format or dtype, an output directory inside what is read, and
             what :func:`load_checkpoint_model` raises.
     """
-    from squash.export.gguf import parse_export_config, write_gguf
+    from squash.export.formats import parse_export_config
+    from squash.export.gguf import write_gguf
 
     checkpoint_dir = Path(checkpoint_dir)
     dtypes = parse_export_config(formats).get("gguf", [])
@@ -423,7 +429,7 @@ def missing_exports(
 ) -> Dict[str, List[str]]:
     """The part of an ``export`` block (as :func:`export_checkpoint` takes it) whose files are not
     there: what a run killed during its export left undone, for its resume to redo."""
-    from squash.export.gguf import parse_export_config
+    from squash.export.formats import parse_export_config
 
     dtypes = parse_export_config(formats).get("gguf", [])
     missing = [d for d in dtypes if not export_path(checkpoint_dir, d, output_dir).is_file()]

@@ -51,6 +51,18 @@ def test_importing_squash_changes_no_torchao_or_torchtune_object():
     assert diff["installed_ops"] == ["aten.clone.default"], diff
 
 
+def test_the_gguf_package_loads_only_when_a_gguf_file_is_written():
+    """A training recipe, the merge and chat import no GGUF writer; ``squash.export``'s GGUF
+    names load it on first use."""
+    probe = ("import sys; sys.path.insert(0, 'recipes'); import squash.merge, squash.chat, "
+             "squash_finetune, squash_finetune_distributed; from squash.export import "
+             "parse_export_config, GGUF_DTYPES; print('gguf' in sys.modules); "
+             "from squash.export import write_gguf; print('gguf' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert out == ["False", "True"]
+
+
 def test_one_version_string():
     import tomllib  # noqa: PLC0415
 

@@ -6,27 +6,27 @@
   Ollama, LM Studio. A squash checkpoint's model (merged, or its adapter merged into its base)
   is exported by :func:`squash.merge.export_checkpoint`, which reads it and calls these.
 
+- :mod:`~squash.export.hf_files`: reading a Hugging Face model directory, and
+  :mod:`~squash.export.formats`: the recipes' ``export`` block; neither needs ``gguf``.
+
 Below :mod:`squash.models` and :mod:`squash.training`: this package imports neither. The GGUF
-names below load the ``gguf`` package on first use, so the recipes' saves (which import
-:mod:`~squash.export.adapters` alone) do not need it.
+names below load the ``gguf`` package on first use, so a recipe (its saves, its ``export``
+block, :mod:`squash.merge`) loads it only when it writes a GGUF file.
 """
 
 import importlib
 from typing import Any
 
-_GGUF_NAMES = (
-    "GGUF_DTYPES",
-    "SUPPORTED_ARCHITECTURES",
-    "UnsupportedModelError",
-    "export_gguf",
-    "parse_export_config",
-    "write_gguf",
-)
+_GGUF_NAMES = ("SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "export_gguf", "write_gguf")
+# without the gguf package: the export block and the GGUF dtypes it accepts
+_PLAIN_NAMES = {"GGUF_DTYPES": "hf_files", "parse_export_config": "formats"}
 
-__all__ = list(_GGUF_NAMES)
+__all__ = sorted(_GGUF_NAMES + tuple(_PLAIN_NAMES))
 
 
 def __getattr__(name: str) -> Any:
     if name in _GGUF_NAMES:
         return getattr(importlib.import_module("squash.export.gguf"), name)
+    if name in _PLAIN_NAMES:
+        return getattr(importlib.import_module(f"squash.export.{_PLAIN_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

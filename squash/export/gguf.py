@@ -28,20 +28,20 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 import gguf
 from gguf.metadata import Metadata
 from squash._temporaries import owned_prefix, remove_stale
 from squash.export.gguf_general import add_general, model_metadata
+from squash.export.hf_files import GGUF_DTYPES, load_merged_checkpoint
+from squash.export.hf_files import read_json as _read_json
 
 log = logging.getLogger(__name__)
 
-GGUF_DTYPES = ("f16", "q8_0")
 # Hugging Face architecture -> (gguf architecture, permute q/k for llama.cpp's rotary layout)
 SUPPORTED_ARCHITECTURES: Dict[str, Tuple[gguf.MODEL_ARCH, bool]] = {
     "LlamaForCausalLM": (gguf.MODEL_ARCH.LLAMA, True),
@@ -62,61 +62,7 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's model family or tokenizer cannot be written as a faithful GGUF file."""
 
 
-# ---- reading the checkpoint ----------------------------------------------------------------------
-def _read_json(path: Path) -> Dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise FileNotFoundError(f"Cannot read {path}: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
-    return data
-
-
-def _weight_files(checkpoint_dir: Path) -> List[Path]:
-    index = checkpoint_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        files = [checkpoint_dir / n for n in names]
-        for f in files:
-            if f.parent != checkpoint_dir or not f.is_file():
-                raise FileNotFoundError(f"{index} names {f.name}, which is not in {checkpoint_dir}")
-        return files
-    files = sorted(checkpoint_dir.glob("model*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"No weights (model*.safetensors) in {checkpoint_dir}: not a Hugging Face model "
-            "directory (a squash checkpoint saved with save_adapter_weights_only is exported by "
-            "squash.merge.export_checkpoint, `squash export`)"
-        )
-    return files
-
-
-def load_merged_checkpoint(
-    checkpoint_dir: Path, float32: bool = True
-) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """``config.json`` and the merged weights (float32, or with ``float32=False`` as stored; on
-    the CPU) of a Hugging Face checkpoint directory (an ``epoch_N``/``step_N`` of a squash run,
-    or any HF model directory).
-
-    Raises:
-        FileNotFoundError: if the directory, its ``config.json`` or its weights are missing.
-    """
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
-    config = _read_json(checkpoint_dir / "config.json")
-    weights = {}
-    for f in _weight_files(checkpoint_dir):
-        with safe_open(f, framework="pt") as handle:
-            for key in handle.keys():
-                if key in weights:
-                    raise ValueError(f"{f} repeats the tensor {key}")
-                tensor = handle.get_tensor(key)
-                weights[key] = tensor.float() if float32 else tensor
-    return config, weights
+# ---- reading the checkpoint: squash.export.hf_files -----------------------------------------
 
 
 def _hparams(config: Mapping[str, Any]) -> Dict[str, Any]:
@@ -498,42 +444,3 @@ def write_gguf(
         raise
     log.info("Wrote %s (%s)", output, dtype)
     return output
-
-
-def parse_export_config(block: Any, source_dir: Optional[Path] = None) -> Dict[str, List[str]]:
-    """A recipe's ``export`` config block (``{gguf: [f16, q8_0]}``, a single dtype string, or
-    None) as ``{"gguf": [dtypes]}``, checked before training starts; with ``source_dir`` (the
-    base checkpoint's directory) also that its model family can be exported.
-
-    Raises:
-        ValueError: an unknown format or dtype, naming the ``export`` key.
-        UnsupportedModelError: a family GGUF export does not support, naming the ``export`` key.
-    """
-    out = _parse_export_block(block)
-    config = Path(source_dir) / "config.json" if source_dir is not None else None
-    if out and config is not None and config.is_file():
-        try:
-            _hparams(_read_json(config))
-        except UnsupportedModelError as e:
-            raise UnsupportedModelError(f"export: {e}") from e
-    return out
-
-
-def _parse_export_block(block: Any) -> Dict[str, List[str]]:
-    if block is None:
-        return {}
-    if not isinstance(block, Mapping):
-        raise ValueError(f"export: expected a mapping such as {{gguf: [f16, q8_0]}}, got {block!r}")
-    unknown = sorted(set(block) - {"gguf"})
-    if unknown:
-        # export={gguf:f16} on the command line reads as the key 'gguf:f16' (no space after ':')
-        hint = "; on the command line write export.gguf=f16 or 'export.gguf=[f16,q8_0]'" if any(
-            ":" in str(k) for k in unknown
-        ) else ""
-        raise ValueError(f"export: unknown format(s) {unknown}; known: ['gguf']{hint}")
-    dtypes = block.get("gguf") or []
-    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
-    bad = [d for d in dtypes if d not in GGUF_DTYPES]
-    if bad:
-        raise ValueError(f"export.gguf: unknown dtype(s) {bad}; known: {list(GGUF_DTYPES)}")
-    return {"gguf": dtypes} if dtypes else {}

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from squash.training.config_checks import (  # noqa: F401  (parse_heldout: heldout.* as before)
     HELDOUT_KEYS,
+    ConfigKeyError,
     parse_heldout,
 )
 

@@ -91,6 +91,20 @@ def test_report_prints_before_and_after(tiny, capsys):
     assert model.training is False
 
 
+def test_a_prompt_index_past_the_samples_names_the_key(tiny):
+    from squash.training.config_checks import ConfigKeyError
+
+    _, _, tok = tiny
+    settings = parse_heldout({
+        "dataset": {"_component_": "squash.datasets.unicode_names_dataset", "split": "validation",
+                    "max_samples": 3},
+        "prompt_index": 3,
+    })
+    with pytest.raises(ConfigKeyError, match="heldout.prompt_index is 3, but heldout.dataset "
+                                             "has 3 samples"):  # fmt: skip
+        HeldoutEvaluator(settings, tok, torch.device("cpu"), -100)
+
+
 @pytest.mark.parametrize("block, match", [
     ({"dataset": {"_component_": "squash.datasets.unicode_names_dataset"}, "max_new_tokns": 3},
      "heldout.max_new_tokns .*max_new_tokens"),
