@@ -5,7 +5,7 @@ A checkpoint saved with merged weights (``save_adapter_weights_only: False``) is
 One saved with the adapter alone (what the shipped configs save) is merged here, in memory, into
 the base model its ``checkpoint.json`` records, exactly as the recipe merges when it writes the
 merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual or LoftQ's base, FFI
-adapter; :func:`squash.training.model_setup.setup_adapter_model`, the recipes' own path), the
+adapter; :func:`squash.training.model_setup.assemble_adapter_model`, the recipes' own path), the
 adapter loaded, then :func:`squash.export.adapters.merged_weights` (``W + alpha / rank * B A``
 on the dequantized base) and the family's key conversion. Nothing is written anywhere.
 
@@ -170,7 +170,7 @@ def merge_adapter(
     """
     from squash.training.config_checks import ConfigKeyError
     from squash.export.adapters import adapter_layout, merged_weights
-    from squash.training.model_setup import setup_adapter_model
+    from squash.training.model_setup import assemble_adapter_model
 
     checkpoint_dir, base_dir = Path(checkpoint_dir), Path(base_dir)
     cfg_path = checkpoint_dir / ckpt.SQUASH_ADAPTER_CONFIG_FILE
@@ -198,10 +198,10 @@ def merge_adapter(
         tokenizer = checkpoint_tokenizer(checkpoint_dir, meta, base_dir)  # the calibration's
     config, base = base_state_dict(base_dir)
     try:
-        model = setup_adapter_model(
+        model = assemble_adapter_model(
             model_cfg, base, device=torch.device("cpu"), dtype=dtype, seed=seed,
             tokenizer=tokenizer,
-        )  # fmt: skip
+        ).model  # fmt: skip
     except ConfigKeyError as e:  # a value the model's builder refuses
         raise ValueError(f"{cfg_path}: {e}") from None
     del base

@@ -34,8 +34,9 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from torch.utils.data import Dataset
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
+from torchtune.data import Message
+
+from squash.datasets._chat import ChatDataset
 
 SPLITS = ("train", "validation", "test")
 QUESTION = "Explain {name} from Python's standard library."
@@ -155,7 +156,7 @@ def first_sentence(answer: str) -> str:
     return SENTENCE_END.split(answer, maxsplit=1)[0]
 
 
-class PythonDocsDataset(Dataset):
+class PythonDocsDataset(ChatDataset):
     """Tokenized samples of one split, as torchtune's chat datasets give them:
     ``{"tokens": [...], "labels": [...]}`` with the question's labels set to the ignore index.
 
@@ -204,11 +205,6 @@ class PythonDocsDataset(Dataset):
         """The first sentence of sample ``index``'s answer."""
         return first_sentence(self.items[index][1])
 
-    def __getitem__(self, index: int) -> Dict[str, List[int]]:
-        out = self._tokenizer({"messages": self.messages(index)})
-        tokens, mask = list(out["tokens"]), list(out["mask"])
-        labels = [CROSS_ENTROPY_IGNORE_IDX if m else t for t, m in zip(tokens, mask)]
-        return {"tokens": tokens, "labels": labels}
 
 
 def python_docs_dataset(

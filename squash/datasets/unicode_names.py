@@ -14,10 +14,11 @@ with a fixed seed and cut into train / validation / test splits that share no ch
 
 import random
 import unicodedata
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from torch.utils.data import Dataset
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
+from torchtune.data import Message
+
+from squash.datasets._chat import ChatDataset
 
 # (first, last) code points of the blocks drawn from, inclusive.
 BLOCKS = (
@@ -83,7 +84,7 @@ def unicode_name_messages(char: str, name: str) -> List[Message]:
     ]
 
 
-class UnicodeNamesDataset(Dataset):
+class UnicodeNamesDataset(ChatDataset):
     """Tokenized samples of one split, as torchtune's chat/instruct datasets give them:
     ``{"tokens": [...], "labels": [...]}`` with the prompt's labels set to the ignore index.
 
@@ -126,11 +127,6 @@ class UnicodeNamesDataset(Dataset):
         """The expected answer (the character's name) of sample ``index``."""
         return self.pairs[index][1]
 
-    def __getitem__(self, index: int) -> Dict[str, List[int]]:
-        out = self._tokenizer({"messages": self.messages(index)})
-        tokens, mask = list(out["tokens"]), list(out["mask"])
-        labels = [CROSS_ENTROPY_IGNORE_IDX if m else t for t, m in zip(tokens, mask)]
-        return {"tokens": tokens, "labels": labels}
 
 
 def unicode_names_dataset(

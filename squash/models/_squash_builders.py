@@ -11,7 +11,7 @@ torchao's defaults where they divide it). :func:`squash_llama3_2` (Llama 3.2 and
 choice: the same modules, state-dict keys and hooks, built in one pass (no model surgery, no
 ``__class__`` swaps, each adapter drawn once). ``quantize_base=True`` by default, as in
 torchtune's ``qlora_*`` builders. ``init="svd"`` factors each base the model holds when built;
-the recipes (:func:`squash.training.model_setup.setup_adapter_model`) factor the checkpoint's
+the recipes (:func:`squash.training.model_setup.assemble_adapter_model`) factor the checkpoint's
 weights instead.
 
 The named builders are plain functions with explicit signatures and literal sizes.
@@ -402,7 +402,13 @@ QWEN2_5_1_5B_INSTRUCT = {
 QWEN2_5_1_5B_BASE = {**QWEN2_5_1_5B_INSTRUCT, "max_seq_len": 131072}
 
 
-def squash_llama3_2_1b(
+LLAMA3_2_SIZES = {"1b": LLAMA3_2_1B, "3b": LLAMA3_2_3B}
+QWEN2_5_SIZES = {"0_5b": QWEN2_5_0_5B, "1_5b_base": QWEN2_5_1_5B_BASE,
+                 "1_5b_instruct": QWEN2_5_1_5B_INSTRUCT}  # fmt: skip
+
+
+def squash_llama3_2_sized(
+    size: str,
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
@@ -416,9 +422,12 @@ def squash_llama3_2_1b(
     tie_word_embeddings: bool = True,
     base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
-    """Llama 3.2 1B with FFI-sparse LoRA adapters on an NF4 base (see ``lora_llama3_2_1b``).
+    """Llama 3.2 of ``size`` (``"1b"`` or ``"3b"``) with FFI-sparse LoRA adapters on an NF4
+    base (see torchtune's ``lora_llama3_2_1b``); ``squash_llama3_2_1b`` and ``_3b`` are this
+    function with the size bound.
 
     Args:
+        size (str): a key of :data:`LLAMA3_2_SIZES`.
         lora_attn_modules (List[LORA_ATTN_MODULES]): attention projections to adapt, from
             ``{"q_proj", "k_proj", "v_proj", "output_proj"}``.
         apply_lora_to_mlp (bool): adapt the MLP linears too. Default: False
@@ -437,31 +446,12 @@ def squash_llama3_2_1b(
     Returns:
         TransformerDecoder: the model.
     """
-    return squash_llama3_2(**locals(), **LLAMA3_2_1B)
+    args = dict(locals())
+    return squash_llama3_2(**LLAMA3_2_SIZES[args.pop("size")], **args)
 
 
-def squash_llama3_2_3b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    tie_word_embeddings: bool = True,
-    base_outliers: Optional[Mapping] = None,
-) -> TransformerDecoder:
-    """Llama 3.2 3B with FFI-sparse LoRA adapters on an NF4 base (see ``lora_llama3_2_3b``).
-
-    Arguments as in :func:`squash_llama3_2_1b`.
-    """
-    return squash_llama3_2(**locals(), **LLAMA3_2_3B)
-
-
-def squash_qwen2_5_0_5b(
+def squash_qwen2_5_sized(
+    size: str,
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
@@ -474,53 +464,33 @@ def squash_qwen2_5_0_5b(
     init: str = "lora",
     base_outliers: Optional[Mapping] = None,
 ) -> TransformerDecoder:
-    """Qwen 2.5 0.5B (base or instruct) with FFI-sparse LoRA adapters on an NF4 base.
-
-    Arguments as in :func:`squash_llama3_2_1b` (no ``tie_word_embeddings``: always tied). The
-    q/k/v projections keep their biases (dense, frozen).
-    """
-    return squash_qwen2(**locals(), **QWEN2_5_0_5B)
-
-
-def squash_qwen2_5_1_5b_base(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> TransformerDecoder:
-    """Qwen 2.5 1.5B base with FFI-sparse LoRA adapters on an NF4 base.
-
-    Arguments as in :func:`squash_qwen2_5_0_5b`.
-    """
-    return squash_qwen2(**locals(), **QWEN2_5_1_5B_BASE)
+    """Qwen 2.5 of ``size`` (a key of :data:`QWEN2_5_SIZES`) with FFI-sparse LoRA adapters on
+    an NF4 base; the other arguments as in :func:`squash_llama3_2_sized` (no
+    ``tie_word_embeddings``: always tied). The q/k/v projections keep their biases (dense,
+    frozen)."""
+    args = dict(locals())
+    return squash_qwen2(**QWEN2_5_SIZES[args.pop("size")], **args)
 
 
-def squash_qwen2_5_1_5b_instruct(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> TransformerDecoder:
-    """Qwen 2.5 1.5B instruct with FFI-sparse LoRA adapters on an NF4 base.
+def _sized(builder, size: str, doc: str) -> partial:
+    """``builder`` with its first argument, the size, bound, and its own docstring (a sized
+    builder: ``squash_llama3_2_1b``, ``lora_opt_350m``, ...)."""
+    sized = partial(builder, size)
+    sized.__doc__ = doc
+    return sized
 
-    Arguments as in :func:`squash_qwen2_5_0_5b`.
-    """
-    return squash_qwen2(**locals(), **QWEN2_5_1_5B_INSTRUCT)
 
+squash_llama3_2_1b = _sized(squash_llama3_2_sized, "1b", """Llama 3.2 1B with FFI-sparse LoRA
+adapters on an NF4 base; arguments as in :func:`squash_llama3_2_sized`.""")
+squash_llama3_2_3b = _sized(squash_llama3_2_sized, "3b", """Llama 3.2 3B with FFI-sparse LoRA
+adapters on an NF4 base; arguments as in :func:`squash_llama3_2_sized`.""")
+squash_qwen2_5_0_5b = _sized(squash_qwen2_5_sized, "0_5b", """Qwen 2.5 0.5B (base or instruct)
+with FFI-sparse LoRA adapters on an NF4 base; arguments as in :func:`squash_qwen2_5_sized`.""")
+squash_qwen2_5_1_5b_base = _sized(squash_qwen2_5_sized, "1_5b_base", """Qwen 2.5 1.5B base with
+FFI-sparse LoRA adapters on an NF4 base; arguments as in :func:`squash_qwen2_5_sized`.""")
+squash_qwen2_5_1_5b_instruct = _sized(squash_qwen2_5_sized, "1_5b_instruct", """Qwen 2.5 1.5B
+instruct with FFI-sparse LoRA adapters on an NF4 base; arguments as in
+:func:`squash_qwen2_5_sized`.""")
 
 # torchtune's 1.5B base and instruct builders differ only in max_seq_len (131072 vs 32768, the
 # size of the RoPE cache); the weights load into either. The short name is the instruct one.

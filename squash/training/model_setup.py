@@ -293,30 +293,6 @@ def _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype
                                 dtype=dtype)  # fmt: skip
 
 
-def setup_adapter_model(
-    cfg_model: DictConfig,
-    base_state_dict: Dict[str, torch.Tensor],
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    mask_update: Optional[MaskUpdateSchedule] = None,
-    activation_checkpointing: bool = False,
-    compile_model: bool = False,
-    seed: int = 0,
-    tokenizer: Any = None,
-) -> nn.Module:
-    """:func:`assemble_adapter_model`'s model, on one device, with its initial adapter.
-
-    Raises:
-        As :func:`assemble_adapter_model`.
-    """
-    return assemble_adapter_model(
-        cfg_model, base_state_dict, device=device, dtype=dtype, mask_update=mask_update,
-        activation_checkpointing=activation_checkpointing, compile_model=compile_model,
-        seed=seed, tokenizer=tokenizer,
-    ).model  # fmt: skip
-
-
 def setup_frozen_model(
     cfg_model: DictConfig,
     state_dict: Dict[str, torch.Tensor],

@@ -136,9 +136,18 @@ def test_named_builders_pass_every_argument(monkeypatch):
     monkeypatch.setattr(builders, "sparse_lora_linear",
                         lambda *a, **kw: inits.append(kw["init"]) or build(*a, **kw))  # fmt: skip
 
-    for builder in (squash_llama3_2_1b, squash_llama3_2_3b, squash_qwen2_5_0_5b,
-                    squash_qwen2_5_1_5b):  # fmt: skip
-        assert inspect.isfunction(builder) and "init" in inspect.signature(builder).parameters
+    # each sized builder: its family's one plain function with only the size bound
+    for builder, template, size in (
+        (squash_llama3_2_1b, builders.squash_llama3_2_sized, "1b"),
+        (squash_llama3_2_3b, builders.squash_llama3_2_sized, "3b"),
+        (squash_qwen2_5_0_5b, builders.squash_qwen2_5_sized, "0_5b"),
+        (squash_qwen2_5_1_5b, builders.squash_qwen2_5_sized, "1_5b_instruct"),
+    ):
+        assert inspect.isfunction(template) and builder.func is template
+        assert builder.args == (size,) and not builder.keywords
+        assert list(inspect.signature(builder).parameters) == list(
+            inspect.signature(template).parameters)[1:]  # fmt: skip
+        assert "init" in inspect.signature(builder).parameters
     with torch.device("meta"):
         model = squash_qwen2_5_0_5b(["k_proj"], lora_rank=4, lora_alpha=2.0, lora_dropout=0.5,
                                     quantize_base=False, sparsity=0.5, sparse_factor="b",

@@ -23,7 +23,7 @@ def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, 
     from squash.models.opt import OPTCheckpointer, opt_tokenizer
     from squash.nf4.base_outliers import module_outliers
     from squash.training import checkpoint as ckpt
-    from squash.training.model_setup import setup_adapter_model
+    from squash.training.model_setup import assemble_adapter_model
 
     proc = run(tmp_path, *KEYS)
     assert "NF4 + FFI outliers" in proc.stdout + proc.stderr
@@ -37,9 +37,9 @@ def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, 
 
     tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"))
     base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
-    model = setup_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
-                                device=torch.device("cpu"), dtype=torch.float32, seed=1234,
-                                tokenizer=tok)  # fmt: skip
+    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
+                                   device=torch.device("cpu"), dtype=torch.float32, seed=1234,
+                                   tokenizer=tok).model  # fmt: skip
     ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
     q = model.layers[0].attn.q_proj
     assert module_outliers(q) is not None
@@ -53,7 +53,7 @@ def test_an_adapter_only_checkpoint_merges_into_the_rebuilt_corrected_base(run, 
     from squash.merge import load_checkpoint_model
     from squash.models.opt import OPTCheckpointer
     from squash.training import checkpoint as ckpt
-    from squash.training.model_setup import setup_adapter_model
+    from squash.training.model_setup import assemble_adapter_model
 
     keys = [k.replace("=sensitivity", "=magnitude") for k in KEYS]
     run(tmp_path, *keys, "save_adapter_weights_only=True")
@@ -61,8 +61,8 @@ def test_an_adapter_only_checkpoint_merges_into_the_rebuilt_corrected_base(run, 
     weights = load_checkpoint_model(epoch).weights  # squash export's and squash chat's merge
     block = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
     base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
-    model = setup_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
-                                device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
+                                   device=torch.device("cpu"), dtype=torch.float32).model  # fmt: skip
     ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
     want = model.layers[1].mlp.w2.merged_weight(torch.float32)  # fc2: dequant + S + B A
     torch.testing.assert_close(weights["model.decoder.layers.1.fc2.weight"], want, rtol=0,

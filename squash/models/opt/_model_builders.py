@@ -5,11 +5,11 @@ The sizes are those of the published HF configs (``hidden_size``, ``num_hidden_l
 ``max_position_embeddings``). ``opt_tiny`` matches ``assets/tiny_opt/config.json``, which
 ``scripts/make_tiny_opt.py`` writes.
 
-Each adapter builder is a plain function with an explicit signature whose body passes every one
-of its arguments by name to the component builder: ``locals()`` at the top of a function holds
-exactly its arguments, so no argument can be dropped or shifted on the way. Variants that only
-change a default (``qlora_*``) are ``functools.partial`` objects with a docstring, as in
-torchtune.
+Each adapter builder is one plain function with an explicit signature (:func:`lora_opt_sized`)
+whose body passes every one of its arguments by name to the component builder (``locals()`` at
+the top of a function holds exactly its arguments, so no argument can be dropped or shifted on
+the way), with the size bound by ``functools.partial``; variants that only change a default
+(``qlora_*``) are partials of those, each with a docstring, as in torchtune.
 """
 
 from functools import partial
@@ -17,6 +17,7 @@ from typing import List, Mapping, Optional
 
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
+from squash.models._squash_builders import _sized
 from squash.models.opt._component_builders import lora_opt, opt
 from squash.models.opt._decoder import OPTDecoder
 
@@ -69,7 +70,8 @@ def opt_tiny() -> OPTDecoder:
     return opt(**_OPT_SIZES["tiny"])
 
 
-def lora_opt_125m(
+def lora_opt_sized(
+    size: str,
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
@@ -80,84 +82,25 @@ def lora_opt_125m(
     quantize_base: bool = False,
     base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
-    """Builder for OPT-125m with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["125m"], **locals())
+    """OPT of ``size`` (a key of the published sizes: ``125m``, ``350m``, ``1_3b``, ``2_7b``,
+    ``6_7b``, ``tiny``) with LoRA adapters; the other arguments as for :func:`lora_opt`. The
+    sized builders (``lora_opt_350m``, ...) are this function with ``size`` bound."""
+    args = dict(locals())
+    return lora_opt(**_OPT_SIZES[args.pop("size")], **args)
 
 
-def lora_opt_350m(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """Builder for OPT-350m with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["350m"], **locals())
-
-
-def lora_opt_1_3b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """Builder for OPT-1.3b with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["1_3b"], **locals())
-
-
-def lora_opt_2_7b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """Builder for OPT-2.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["2_7b"], **locals())
-
-
-def lora_opt_6_7b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """Builder for OPT-6.7b with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["6_7b"], **locals())
-
-
-def lora_opt_tiny(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """Builder for the tiny OPT with LoRA adapters; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["tiny"], **locals())
-
+lora_opt_125m = _sized(lora_opt_sized, "125m", """Builder for OPT-125m with LoRA adapters; arguments as
+for :func:`lora_opt`.""")
+lora_opt_350m = _sized(lora_opt_sized, "350m", """Builder for OPT-350m with LoRA adapters; arguments as
+for :func:`lora_opt`.""")
+lora_opt_1_3b = _sized(lora_opt_sized, "1_3b", """Builder for OPT-1.3b with LoRA adapters; arguments as
+for :func:`lora_opt`.""")
+lora_opt_2_7b = _sized(lora_opt_sized, "2_7b", """Builder for OPT-2.7b with LoRA adapters; arguments as
+for :func:`lora_opt`.""")
+lora_opt_6_7b = _sized(lora_opt_sized, "6_7b", """Builder for OPT-6.7b with LoRA adapters; arguments as
+for :func:`lora_opt`.""")
+lora_opt_tiny = _sized(lora_opt_sized, "tiny", """Builder for the tiny OPT with LoRA adapters; arguments as
+for :func:`lora_opt`.""")
 
 qlora_opt_125m = partial(lora_opt_125m, quantize_base=True)
 qlora_opt_125m.__doc__ = """Builder for OPT-125m with QLoRA: LoRA adapters on NF4 base weights.

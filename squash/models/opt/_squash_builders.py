@@ -13,6 +13,7 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from squash.models.opt._component_builders import lora_opt
 from squash.models.opt._decoder import OPTDecoder
+from squash.models._squash_builders import _sized
 from squash.models.opt._model_builders import _OPT_SIZES
 
 squash_opt = partial(lora_opt, sparsity=0.9)
@@ -20,7 +21,8 @@ squash_opt.__doc__ = """OPT of any size with sparse LoRA adapters: :func:`lora_o
 ``sparsity=0.9`` by default (``sparse_factor``, ``init`` and the rest as there)."""
 
 
-def squash_opt_125m(
+def squash_opt_sized(
+    size: str,
     lora_attn_modules: List[LORA_ATTN_MODULES],
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
@@ -33,91 +35,23 @@ def squash_opt_125m(
     init: str = "lora",
     base_outliers: Optional[Mapping] = None,
 ) -> OPTDecoder:
-    """OPT-125m with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["125m"], **locals())
+    """OPT of ``size`` (a key of the published sizes, as for
+    :func:`~squash.models.opt.lora_opt_sized`) with FFI-sparse LoRA adapters on an NF4 base;
+    the other arguments as for :func:`lora_opt`. The sized builders (``squash_opt_350m``, ...)
+    are this function with ``size`` bound."""
+    args = dict(locals())
+    return lora_opt(**_OPT_SIZES[args.pop("size")], **args)
 
 
-def squash_opt_350m(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """OPT-350m with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["350m"], **locals())
-
-
-def squash_opt_1_3b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """OPT-1.3b with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["1_3b"], **locals())
-
-
-def squash_opt_2_7b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """OPT-2.7b with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["2_7b"], **locals())
-
-
-def squash_opt_6_7b(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """OPT-6.7b with FFI-sparse LoRA adapters on an NF4 base; arguments as for :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["6_7b"], **locals())
-
-
-def squash_opt_tiny(
-    lora_attn_modules: List[LORA_ATTN_MODULES],
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
-    quantize_base: bool = True,
-    sparsity: float = 0.9,
-    sparse_factor: str = "a",
-    init: str = "lora",
-    base_outliers: Optional[Mapping] = None,
-) -> OPTDecoder:
-    """The tiny OPT with FFI-sparse LoRA adapters on an NF4 base; arguments as for
-    :func:`lora_opt`."""
-    return lora_opt(**_OPT_SIZES["tiny"], **locals())
+squash_opt_125m = _sized(squash_opt_sized, "125m", """OPT-125m with FFI-sparse LoRA adapters on an NF4
+base; arguments as for :func:`lora_opt`.""")
+squash_opt_350m = _sized(squash_opt_sized, "350m", """OPT-350m with FFI-sparse LoRA adapters on an NF4
+base; arguments as for :func:`lora_opt`.""")
+squash_opt_1_3b = _sized(squash_opt_sized, "1_3b", """OPT-1.3b with FFI-sparse LoRA adapters on an NF4
+base; arguments as for :func:`lora_opt`.""")
+squash_opt_2_7b = _sized(squash_opt_sized, "2_7b", """OPT-2.7b with FFI-sparse LoRA adapters on an NF4
+base; arguments as for :func:`lora_opt`.""")
+squash_opt_6_7b = _sized(squash_opt_sized, "6_7b", """OPT-6.7b with FFI-sparse LoRA adapters on an NF4
+base; arguments as for :func:`lora_opt`.""")
+squash_opt_tiny = _sized(squash_opt_sized, "tiny", """The tiny OPT with FFI-sparse LoRA adapters on an NF4
+base; arguments as for :func:`lora_opt`.""")

@@ -142,13 +142,27 @@ def test_squash_opt_component_builder_passes_sizes():
                    sparse_factor="c")
 
 
-def test_builders_are_plain_functions_that_pass_every_argument():
+def test_builders_are_one_plain_function_a_kind_that_passes_every_argument():
+    """Each sized builder is its kind's one plain function (``lora_opt_sized``,
+    ``squash_opt_sized``) with only the size bound: the same parameters after ``size``, and a
+    model of the size's published dimensions."""
     import inspect
 
+    from squash.models.opt._model_builders import _OPT_SIZES, lora_opt_sized
+    from squash.models.opt._squash_builders import squash_opt_sized
+
     for size in ("125m", "350m", "1_3b", "2_7b", "6_7b", "tiny"):
-        for prefix in ("lora_opt", "squash_opt"):
+        for prefix, template in (("lora_opt", lora_opt_sized), ("squash_opt", squash_opt_sized)):
             builder = getattr(opt_models, f"{prefix}_{size}")
-            assert inspect.isfunction(builder) and builder.__name__ == f"{prefix}_{size}"
+            assert inspect.isfunction(template) and builder.func is template
+            assert builder.args == (size,) and not builder.keywords
+            assert list(inspect.signature(builder).parameters) == list(
+                inspect.signature(template).parameters)[1:]  # fmt: skip
+            assert size.replace("_", ".") in builder.__doc__.lower()  # its own size named
+    with torch.device("meta"):
+        m = opt_models.lora_opt_350m(["q_proj"])
+    assert (len(m.layers), m.layers[0].attn.q_proj.in_dim) == (24, 1024) == (
+        _OPT_SIZES["350m"]["num_layers"], _OPT_SIZES["350m"]["embed_dim"])  # fmt: skip
     assert "init" in inspect.signature(squash_opt_tiny).parameters
     model = squash_opt_tiny(["k_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=3.0,
                             lora_dropout=0.25, quantize_base=False, sparsity=0.5,
