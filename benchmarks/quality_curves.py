@@ -30,6 +30,7 @@ claimed by a lock held on an open file, each run writes its own json under
 
 import argparse
 import fcntl
+import functools
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa: E402
 
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
+from squash.training.memory import base_memory  # noqa: E402
 from squash.training.heldout import next_token_loss  # noqa: E402
 
 from common import adapted_shapes as _shapes  # noqa: E402
@@ -68,6 +70,9 @@ LADDER = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]  # the lr grid, widened alon
 FIRST_GRID = [1e-3, 3e-3, 1e-2]
 MAX_WIDEN = 2
 SEEDS = [0, 1, 2]
+# the corrected base of the base arms: 1% of each row (4.46 bits per parameter on SmolLM2, 72% of
+# NF4's perplexity gap closed in-domain before fine-tuning: docs/benchmarks/nf4.md)
+OUTLIERS = {"fraction": 0.01, "criterion": "sensitivity"}
 
 
 # ---- arms -----------------------------------------------------------------------------------
@@ -117,6 +122,14 @@ def arms(steps: int, dtype=torch.float32) -> dict:
         "squash_until_end": dict(squash, mask_update=mask_schedule(steps, until=1.0),
                                  name="squash, masks move to the end"),
     }
+    # the base under the fine-tune (one change each against "qlora_r16" and "squash": its
+    # frozen weights unquantized, or NF4 corrected by FFI outliers)
+    qlora = out["qlora_r16"]
+    for key, method in (("qlora_r16", qlora), ("squash", squash)):
+        short = "QLoRA r=16" if key == "qlora_r16" else "squash"
+        out[f"{key}_fp32"] = dict(method, base="fp32", name=f"{short}, fp32 base")
+        out[f"{key}_outliers"] = dict(method, base="outliers", base_outliers=dict(OUTLIERS),
+                                      name=f"{short}, NF4 + 1% sensitivity outliers")  # fmt: skip
     for sp in (0.8, 0.95):
         r = rank_at(sp, "both", dtype=dtype)
         out[f"squash_s{round(sp * 100)}"] = dict(squash, rank=r, sparsity=sp,
@@ -161,7 +174,8 @@ def sweep_state(done: dict, arm: str, grid=FIRST_GRID, max_widen=MAX_WIDEN) -> t
 def plan(task: str, done: dict, quick: bool = False) -> list:
     """The runs of ``task`` as ``(stage, run id, arm, lr, seed, frac)``, stage 0 first: the
     sweeps of QLoRA r=16 and squash, lr by lr (0); their other seeds (1); the sweeps of squash A
-    alone and dense LoRA at squash's rank (2); a quarter of the data (3); levers (4). A stage
+    alone and dense LoRA at squash's rank (2); a quarter of the data (3); levers (4); both
+    methods on an fp32 base and on NF4 + outliers, every seed (5; the first task only). A stage
     whose lr is not known yet (its sweep unfinished) adds nothing yet."""
     grid = [1e-3, 1e-2] if quick else FIRST_GRID
     widen = 1 if quick else MAX_WIDEN
@@ -192,6 +206,11 @@ def plan(task: str, done: dict, quick: bool = False) -> list:
     if task == "unicode" and best["squash"] is not None:
         for arm in QUICK_LEVERS if quick else LEVERS:
             add(4, arm, best["squash"], [0])
+    if task == "unicode":  # the base under the fine-tune, at its method's best lr on NF4
+        for arm in QUICK_BASES if quick else BASES:
+            method = arm.rsplit("_", 1)[0]
+            if best[method] is not None:
+                add(5, arm, best[method], seeds[:1] if quick else seeds)
     return out
 
 
@@ -200,6 +219,8 @@ LEVERS = ["squash_static", "squash_svd", "squash_rslora", "squash_every5", "squa
           "squash_drop50", "squash_until_end", "squash_s80", "squash_s95", "squash_loraplus"]  # fmt: skip
 # --quick: one lever of each code path (mask off, SVD init, two optimizer groups, another rank)
 QUICK_LEVERS = ["squash_static", "squash_svd", "squash_loraplus", "squash_s80"]
+BASES = ["qlora_r16_fp32", "squash_fp32", "qlora_r16_outliers", "squash_outliers"]
+QUICK_BASES = ["qlora_r16_fp32", "squash_outliers"]  # one of each code path
 
 
 def final(record: dict) -> dict:
@@ -314,6 +335,10 @@ def recipe_config(task: str, arm: dict, lr: float, seed: int, frac: float, run_d
             model["init"] = arm["init"]
     model.update(lora_attn_modules=ATTN, apply_lora_to_mlp=True, lora_rank=arm["rank"],
                  lora_alpha=arm["alpha"])  # fmt: skip
+    if arm.get("base") == "fp32":
+        model["quantize_base"] = False
+    elif arm.get("base") == "outliers":
+        model["base_outliers"] = dict(arm["base_outliers"])
     steps, every = size["steps"], size["eval_every"]
     dataset = dict(_component_=TASKS[task]["dataset"], split="train")
     if frac != 1.0:
@@ -580,7 +605,9 @@ def task_report(task: str, records: list, size: dict) -> tuple:
               "test loss | test exact match | t (loss) | t (exact match) |",
               "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]  # fmt: skip
     order = list(arms(size["steps"]))
-    for (key, frac), row in sorted(g.items(), key=lambda kv: (kv[0][1] != 1.0, order.index(kv[0][0]))):
+    main = sorted(((k, r) for k, r in g.items() if k[0] not in BASES),
+                  key=lambda kv: (kv[0][1] != 1.0, order.index(kv[0][0])))  # fmt: skip
+    for (key, frac), row in main:
         arm = row["seeds"][0]["arm"]
         cells = "; ".join(
             (f"**{lr:.0e}: {final(r)['val']['loss']:.3f}**" if lr == row["best"] else
@@ -594,7 +621,7 @@ def task_report(task: str, records: list, size: dict) -> tuple:
               "as early stopping would keep; same statistics):", "",
               "| arm | data | seeds | steps kept | test loss | test exact match | t (loss) | "
               "t (exact match) |", "|---|---:|---:|---|---:|---:|---|---|"]  # fmt: skip
-    for (key, frac), row in sorted(g.items(), key=lambda kv: (kv[0][1] != 1.0, order.index(kv[0][0]))):
+    for (key, frac), row in main:
         kept = [best_point(r) for r in row["seeds"]]
         loss, em, tl, te = _test_cells(g, key, frac, best_point)
         lines.append(f"| {row['seeds'][0]['arm']['name']} | {frac:g} | {len(kept)} | "
@@ -605,17 +632,75 @@ def task_report(task: str, records: list, size: dict) -> tuple:
               "| arm | " + " | ".join(str(s) for s in steps) + " |",
               "|---|" + "---:|" * len(steps)]  # fmt: skip
     for (key, frac), row in g.items():
-        if frac != 1.0 or key in LEVERS:
+        if frac != 1.0 or key in LEVERS or key in BASES:
             continue
         _, lo, _, _ = curve(row["seeds"], "test", "loss")
         _, em, _, _ = curve(row["seeds"], "test", "exact_match")
         lines.append(f"| {row['seeds'][0]['arm']['name']} | "
                      + " | ".join(f"{a:.3f} ({b:.2f})" for a, b in zip(lo, em)) + " |")
+    lines += base_report(g, size)
     hours = sum(sess.get("seconds", 0) for r in records for sess in r["sessions"]) / 3600
     hosts = sorted({sess["machine"] for r in records for sess in r["sessions"]})
     lines += ["", f"{len(records)} runs, {hours:.1f} h of run time in all; hosts: "
               + "; ".join(hosts) + ".", ""]
     return lines, g
+
+
+@functools.lru_cache(maxsize=None)
+def base_bytes(key: str) -> int:
+    """Bytes of the frozen model arm ``key`` trains on (NF4 codes and scalers, the outliers'
+    values and indices, dense tensors; tied embeddings once): ``base_memory`` of the model its
+    recipe config builds, built on the meta device."""
+    from squash.training.model_setup import build_adapter_model
+
+    arm = arms(FULL["steps"])[key]
+    cfg = recipe_config("unicode", arm, 1e-3, 0, 1.0, Path("/unused"), Path("/unused"),
+                        dict(FULL), 885, "cpu", "fp32", False)  # fmt: skip
+    model = build_adapter_model(OmegaConf.create(cfg["model"]), device="meta",
+                                dtype=torch.float32)  # fmt: skip
+    return base_memory(model)
+
+
+def base_report(g: dict, size: dict) -> list:
+    """The base-arm section: each method on NF4, NF4 + outliers and fp32 (empty without a base
+    arm's finished runs)."""
+    if not any((k, 1.0) in g for k in BASES):
+        return []
+    lines = ["", "The base under the fine-tune: each method at its best learning rate on NF4, "
+             "trained on NF4 + 1% sensitivity outliers and on the unquantized fp32 base (Welch's "
+             "t against the same method on NF4; gap closed = (NF4 - base) / (NF4 - fp32) of the "
+             "mean test loss; memory: the frozen base, counted from the model's tensors, and the "
+             "adapter with its gradient and AdamW state):", "",
+             "| method | base | frozen base MiB | adapter MiB | seeds | test loss | test exact "
+             "match | t vs NF4 (loss) | gap closed | best-point test loss | t vs NF4 | gap "
+             "closed |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|"]  # fmt: skip
+    mib = 1024**2
+    for method in ("qlora_r16", "squash"):
+        ref, fp32 = g.get((method, 1.0)), g.get((f"{method}_fp32", 1.0))
+        for key, label in ((method, "NF4"), (f"{method}_outliers", "NF4 + 1% outliers"),
+                           (f"{method}_fp32", "fp32")):  # fmt: skip
+            row = g.get((key, 1.0))
+            if row is None:
+                continue
+            cells = []
+            for pick in (final, best_point):
+                loss = [pick(r)["test"]["loss"] for r in row["seeds"]]
+                em = [pick(r)["test"]["exact_match"] for r in row["seeds"]]
+                ref_loss = [pick(r)["test"]["loss"] for r in ref["seeds"]] if ref else None
+                t = _t(welch(loss, ref_loss)) if ref and key != method else ""
+                gap = ""
+                if ref and fp32 and key != method:
+                    nf4, full = statistics.fmean(ref_loss), statistics.fmean(
+                        [pick(r)["test"]["loss"] for r in fp32["seeds"]])
+                    gap = f"{(nf4 - statistics.fmean(loss)) / (nf4 - full):.0%}" if nf4 != full else ""
+                cells.append((loss, em, t, gap))
+            (loss, em, t, gap), (bloss, _, bt, bgap) = cells
+            arm = row["seeds"][0]["arm"]
+            lines.append(f"| {'QLoRA r=16' if method == 'qlora_r16' else 'squash'} | {label} | "
+                         f"{base_bytes(key) / mib:.1f} | {arm['adapter_bytes'] / mib:.1f} | "
+                         f"{len(row['seeds'])} | {_pm(loss)} | {_pm(em)} | {t} | {gap} | "
+                         f"{_pm(bloss)} | {bt} | {bgap} |")  # fmt: skip
+    return lines
 
 
 def plot(path: Path, groups: dict, task: str) -> None:

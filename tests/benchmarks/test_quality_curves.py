@@ -74,6 +74,37 @@ def test_plan_orders_the_stages():
     assert quarter == [(a, s, 0.25) for a in ("qlora_r16", "squash") for s in (0, 1, 2)]
     assert [q[2] for q in p if q[0] == 4] == qc.LEVERS and {q[3] for q in p if q[0] == 4} == {3e-3}
     assert not [q for q in qc.plan("pydocs", d) if q[0] == 4]  # levers on the first task only
+    bases = [(q[2], q[3], q[4]) for q in p if q[0] == 5]  # every seed, at the method's best lr
+    assert bases == [(a, 3e-3, s) for a in qc.BASES for s in (0, 1, 2)]
+    assert not [q for q in qc.plan("pydocs", d) if q[0] == 5]
+
+
+def test_base_arms_change_only_the_base():
+    a = qc.arms(200)
+    size = dict(qc.FULL)
+
+    def model(key):
+        return qc.recipe_config("unicode", a[key], 1e-3, 0, 1.0, Path("/x"), Path("/c"), size,
+                                885, "cpu", "fp32", False)["model"]  # fmt: skip
+
+    for method in ("qlora_r16", "squash"):
+        nf4, fp32, out = model(method), model(f"{method}_fp32"), model(f"{method}_outliers")
+        assert fp32 == {**nf4, "quantize_base": False}
+        assert out == {**nf4, "base_outliers": {"fraction": 0.01, "criterion": "sensitivity"}}
+        assert a[f"{method}_fp32"]["adapter_bytes"] == a[method]["adapter_bytes"]
+
+
+@pytest.mark.slow
+def test_base_bytes_by_hand():
+    """SmolLM2-135M's frozen bytes: fp32 is its 134,515,008 parameters (embeddings 49152 x 576,
+    30 layers of q/o 576x576, k/v 576x192, three MLP 576x1536, two norms, the final norm) at 4
+    bytes; the outliers add, per layer, out x k x (2-byte value + 2-byte index) with
+    k = round(1% of in_features): 6 for the six 576-wide inputs, 15 for w2's 1536."""
+    layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
+    assert qc.base_bytes("qlora_r16_fp32") == 4 * (49152 * 576 + 30 * layer + 576)
+    s_layer = 4 * (6 * (576 + 192 + 192 + 576 + 1536 + 1536) + 15 * 576)
+    assert qc.base_bytes("squash_outliers") - qc.base_bytes("squash") == 30 * s_layer
+    assert qc.base_bytes("qlora_r16") == qc.base_bytes("squash")  # the same NF4 base
 
 
 def test_arms_at_equal_memory():
@@ -214,6 +245,33 @@ def test_report_at_each_seeds_best_validation_point():
     assert "| 50, 100 |" in qrow
 
 
+def test_report_base_section_by_hand(monkeypatch):
+    """Each method on NF4, NF4 + outliers and fp32: means, Welch's t against the same method on
+    NF4 (scipy) and the gap closed worked by hand; the base arms stay out of the main table."""
+    monkeypatch.setattr(qc, "base_bytes", lambda key: {"fp32": 8, "outliers": 5}.get(
+        key.rsplit("_", 1)[-1], 4) * 1024**2)  # fmt: skip
+    nf4, out, fp32 = [1.30, 1.34, 1.32], [1.20, 1.26, 1.22], [1.10, 1.12, 1.14]
+    recs = [record("qlora_r16", 3e-3, i, 1.0, (t, 0.1)) for i, t in enumerate(nf4)]
+    recs += [record("qlora_r16_outliers", 3e-3, i, 1.0, (t, 0.2)) for i, t in enumerate(out)]
+    recs += [record("qlora_r16_fp32", 3e-3, i, 1.0, (t, 0.3)) for i, t in enumerate(fp32)]
+    text, _ = qc.task_report("unicode", recs, dict(qc.FULL))
+    i = text.index(next(line for line in text if line.startswith("The base under the fine-tune")))
+    assert not [line for line in text[:i] if "outliers" in line or "fp32 base" in line]
+    row = next(line for line in text[i:] if "| NF4 + 1% outliers |" in line)
+    gap = (statistics.fmean(nf4) - statistics.fmean(out)) / (
+        statistics.fmean(nf4) - statistics.fmean(fp32))
+    ref = stats.ttest_ind(out, nf4, equal_var=False)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[:5] == ["QLoRA r=16", "NF4 + 1% outliers", "5.0",
+                         f"{qc.arms(200)['qlora_r16']['adapter_bytes'] / 1024**2:.1f}", "3"]
+    assert cells[5] == f"{statistics.fmean(out):.3f} +/- {statistics.stdev(out):.3f}"
+    assert cells[7].startswith(f"{ref.statistic:+.2f}") and cells[8] == f"{gap:.0%}" == "47%"  # 0.0933 / 0.2
+    nrow = next(line for line in text[i:] if "| NF4 |" in line)
+    assert [c.strip() for c in nrow.split("|")[1:-1]][7:9] == ["", ""]  # NF4 is the reference
+    frow = next(line for line in text[i:] if "| fp32 |" in line)
+    assert [c.strip() for c in frow.split("|")[1:-1]][2] == "8.0"
+
+
 def test_report_writes_a_png_per_task_and_copies_it_to_png_dir(tmp_path):
     """``report --png-dir DIR``: the PNG beside the results, and the same bytes as
     ``DIR/quality_curves_<task>.png`` (where the README shows it)."""
@@ -251,6 +309,7 @@ def test_quick_run_of_every_stage(smollm2_checkpoint, tmp_path):
     assert not [q for q in qc.plan("unicode", done, quick=True) if q[1] not in done]  # all ran
     stages = {r["arm"]["key"] for r in done.values()}
     assert set(qc.QUICK_LEVERS) <= stages and {"squash_a", "lora_dense"} <= stages
+    assert set(qc.QUICK_BASES) <= stages  # an fp32 base and a corrected one through the recipe
     assert any(r["frac"] == 0.25 for r in done.values())
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_curves.py"),
                            "report", "--quick", "--results", str(res)], capture_output=True,
