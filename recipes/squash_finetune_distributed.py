@@ -164,12 +164,13 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             self._last_checkpoint = resume_dir  # what a NaN stop names before the next save
             utils.log_rank_zero(log, f"Resuming from {resume_dir} (step {self.global_step})")
 
+        # before the model: a corrected base (model.base_outliers) calibrates on its tokens
+        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._checkpointer, base_state_dict = load_base(cfg.checkpointer)
         self._model_cfg = cfg.model
         self._model = self._setup_model(cfg, base_state_dict, resume_dir)
         del base_state_dict
 
-        self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = config.instantiate(
             cfg.optimizer,
             steps.optimizer_params(
@@ -268,6 +269,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             adapter_source=resume_dir,
             shard=shard,
             cpu_offload=self._cpu_offload,
+            tokenizer=self._tokenizer,
         )
         self._layout = adapters.adapter_layout(model)
         if self._debug:

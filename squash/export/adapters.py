@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import training
 
 from squash._io import to_plain
+from squash.nf4.base_outliers import add_outliers_
 from squash.modules.adapter import (  # noqa: F401  (adapters.* as before)
     AdapterLayout,
     adapter_layout,
@@ -79,8 +80,11 @@ def state_to_export(
 
     sharded = isinstance(model, FSDPModule)
     if not adapter_only:
-        if sharded:
-            return training.gather_cpu_state_dict(model, is_rank_zero, device=device)
+        if sharded:  # the state-dict hook adds S to the whole weights, here to the gathered
+            full = training.gather_cpu_state_dict(model, is_rank_zero, device=device)
+            if is_rank_zero:
+                add_outliers_(model, full, sharded=True)
+            return full
         return model.state_dict()
     state = adapter_state(model)
     if not sharded:

@@ -17,15 +17,17 @@ A model's state dict holds each corrected base as ``dequant(NF4) + S``
 dequantizing hook), so the merged weights a checkpoint exports carry the outliers.
 """
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from squash.nf4.outliers import CRITERIA, Outliers, split_outliers
 from squash.sparsity.ffi import ffi_to_dense
 
 __all__ = [
+    "add_outliers_",
     "BASE_OUTLIER_KEYS",
     "check_base_outliers",
     "DEFAULT_CALIBRATION",
@@ -134,6 +136,9 @@ def set_corrected_base_(
     weight: torch.Tensor,
     second_moment: Optional[torch.Tensor] = None,
     name: str = "weight",
+    *,
+    device: Optional[torch.device] = None,
+    place: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> Outliers:
     """Replace ``module``'s NF4 base by the corrected base of the dense ``weight``: the NF4 of
     ``weight`` with its outliers removed, and the outliers in ``outlier_values`` /
@@ -145,6 +150,10 @@ def set_corrected_base_(
         weight (torch.Tensor): the dense base weight ``(out, in)``.
         second_moment (Optional[torch.Tensor]): ``(in,)`` for the ``"sensitivity"`` criterion.
         name (str): the weight's name, for errors.
+        device (Optional[torch.device]): where the split is computed and ``S`` is kept
+            (default: the weight's device).
+        place (Optional[Callable]): turns the full NF4 base into what the parameter holds (a
+            sharded model's row shard); default: the base itself.
 
     Returns:
         Outliers: the outliers set.
@@ -156,9 +165,10 @@ def set_corrected_base_(
     if not cfg:
         raise ValueError(f"{name}: the module has no base_outliers setting")
     target = module.weight
-    w = weight.detach().to(device=target.device, dtype=target.dtype)
+    device = target.device if device is None else device
+    w = weight.detach().to(device=device, dtype=target.dtype)
     base, out = split_outliers(w, cfg["fraction"], cfg["criterion"], second_moment, name=name)
-    module.weight = nn.Parameter(base, requires_grad=False)
+    module.weight = nn.Parameter(base if place is None else place(base), requires_grad=False)
     module.register_buffer("outlier_values", out.values, persistent=False)
     module.register_buffer("outlier_indices", out.indices, persistent=False)
     return out
@@ -168,13 +178,27 @@ def outliers_state_dict_post_hook(
     model: nn.Module, state_dict: Dict[str, torch.Tensor], prefix: str, *args, **kwargs
 ) -> None:
     """A model state-dict hook: each corrected base's ``weight`` (already dequantized by
-    torchtune's hook, registered before this one) becomes ``dequant(NF4) + S``, summed in
-    float32 and stored in the weight's dtype."""
+    torchtune's hook, registered before this one) becomes ``dequant(NF4) + S``
+    (:func:`add_outliers_`). A weight FSDP2 shards is left as it is: its gathered copy gets
+    ``S`` from ``add_outliers_(..., sharded=True)``."""
+    add_outliers_(model, state_dict, prefix)
+
+
+def add_outliers_(
+    model: nn.Module, state_dict: Dict[str, torch.Tensor], prefix: str = "", sharded: bool = False
+) -> int:
+    """Add each corrected base's ``S`` to its dense weight in ``state_dict``, summed in float32
+    and stored in the weight's dtype: the weights each process holds whole (``sharded=False``,
+    the state-dict hook), or the gathered full copies of those FSDP2 shards (``sharded=True``).
+    Returns how many weights got their ``S``."""
+    count = 0
     for name, module in outlier_modules(model).items():
         out = module_outliers(module)
         key = f"{prefix}{name.replace(_WRAPPED, '')}.weight"
-        if out is None or key not in state_dict:
+        if out is None or key not in state_dict or isinstance(module.weight, DTensor) != sharded:
             continue
         w = state_dict[key]
         s = ffi_to_dense(out.values.float(), out.indices, w.shape[1]).to(w.device)
         state_dict[key] = (w.float() + s).to(w.dtype)
+        count += 1
+    return count

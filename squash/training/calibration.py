@@ -15,16 +15,19 @@ Everything here is deterministic given the base weights, the config and the toke
 resume, an evaluation or an export rebuilds the same ``S`` from the base: no checkpoint holds it.
 """
 
+from functools import partial
 from typing import Any, Dict, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtune import config, training
 
 from squash.modules.adapter import state_dict_key
 from squash.nf4 import SecondMoment
 from squash.nf4.base_outliers import outlier_modules, parse_base_outliers, set_corrected_base_
 from squash.training.config_checks import ConfigKeyError, builder_block
+from squash.training.distributed import shard_nf4_like
 
 __all__ = [
     "apply_base_outliers_",
@@ -127,10 +130,16 @@ def apply_base_outliers_(
     model: nn.Module,
     state_dict: Mapping[str, torch.Tensor],
     moments: Optional[Dict[str, torch.Tensor]] = None,
+    device: Optional[torch.device] = None,
 ) -> int:
     """Split the dense base weight of each module of ``model`` with a ``base_outliers`` setting
     (``state_dict[<name>.weight]``) into its corrected base (see
     :func:`~squash.nf4.base_outliers.set_corrected_base_`).
+
+    In a model sharded by FSDP2 (and not yet run: FSDP2 takes the new parameters at its lazy
+    init, as after :func:`~squash.training.distributed.load_full_state_dict`) each process splits
+    the full weight, as one device does, and keeps its row shard of the NF4 base; ``S`` is kept
+    whole on every process, on ``device``.
 
     Args:
         model (nn.Module): the loaded model (NF4 bases in place).
@@ -138,6 +147,8 @@ def apply_base_outliers_(
             ``init: svd``, the residuals).
         moments (Optional[Dict[str, torch.Tensor]]): :func:`model_second_moments` by module
             name, for the ``"sensitivity"`` criterion.
+        device (Optional[torch.device]): the compute device (default: each weight's own; give it
+            for a sharded model whose shards are offloaded to the CPU).
 
     Returns:
         int: how many bases were split.
@@ -153,6 +164,9 @@ def apply_base_outliers_(
         moment = None
         if module.base_outliers["criterion"] == "sensitivity":
             moment = moments[name]
-        set_corrected_base_(module, state_dict[key], moment, name=key)
+        place = None
+        if isinstance(module.weight, DTensor):
+            place = partial(shard_nf4_like, module.weight)
+        set_corrected_base_(module, state_dict[key], moment, name=key, device=device, place=place)
         count += 1
     return count

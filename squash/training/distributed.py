@@ -101,7 +101,7 @@ def shard_model(
     return sorted(ignored)
 
 
-def _broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``tensor`` from rank ``src`` on every rank, any dtype (sent as bytes, which gloo and NCCL
     both carry); ``tensor`` itself outside torch.distributed (one process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -144,6 +144,14 @@ def _shard_nf4(meta: DTensor, full: torch.Tensor) -> DTensor:
         ),
         requires_grad=meta.requires_grad,
     )
+
+
+def shard_nf4_like(like: DTensor, full: torch.Tensor) -> DTensor:
+    """This process's row shard of the full NF4 tensor ``full``, sharded and placed as the
+    sharded parameter ``like`` (its mesh and placements; on the CPU where ``like`` is
+    offloaded there)."""
+    local = _shard_nf4(like, full)
+    return local.cpu() if like.device.type == "cpu" and full.device.type != "cpu" else local
 
 
 def load_full_state_dict(
@@ -201,9 +209,9 @@ def load_full_state_dict(
             sharded[key] = nn.Parameter(local.cpu() if cpu_offload else local)
             continue
         if isinstance(target, NF4Tensor):
-            value = _broadcast(value.to(device=device))
+            value = broadcast(value.to(device=device))
         else:
-            value = _broadcast(value.to(device=device, dtype=target.dtype))
+            value = broadcast(value.to(device=device, dtype=target.dtype))
         if isinstance(module, FFILinear) and attr == "indices":
             validate_ffi(None, value, module.in_features, where=f"load of {key}")
         if attr in module._parameters:

@@ -24,7 +24,7 @@ from squash.training.adapter_init import (
 )
 from squash.training.calibration import apply_base_outliers_, model_second_moments
 from squash.training.config_checks import ConfigKeyError, builder_block
-from squash.training.distributed import load_full_state_dict
+from squash.training.distributed import broadcast, load_full_state_dict
 from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.training.masks import MaskUpdateSchedule
 from squash.training.memory import base_memory, outlier_memory
@@ -179,7 +179,8 @@ def assemble_adapter_model(
     With ``model.base_outliers`` each NF4 base is split, after the load, into ``NF4(W - S)``
     and its outliers ``S`` (:mod:`squash.training.calibration`; the sensitivity criterion's
     second moments measured on the unquantized model first): ``S`` is rebuilt from the base
-    weights on every assembly, never read from a checkpoint.
+    weights on every assembly, never read from a checkpoint. Sharded, each process keeps its
+    rows of the NF4 base and the whole ``S``.
 
     Returns:
         AdapterModel: the model and, with ``init: svd`` or ``loftq``, its initial dense factors.
@@ -187,8 +188,7 @@ def assemble_adapter_model(
     Raises:
         ConfigKeyError: a model without adapters, ``mask_update`` without a sparse factor,
             ``init: svd`` without squash adapters, ``init: loftq`` with an adapter not on an NF4
-            base, ``model.base_outliers`` with a sharded
-            model, or ``criterion: sensitivity`` without a tokenizer.
+            base, or ``criterion: sensitivity`` without a tokenizer.
         ValueError: base weights or an adapter that do not fit the model.
     """
     init = cfg_model.get("init", "lora")
@@ -237,7 +237,7 @@ def assemble_adapter_model(
             f"{missing[:5]}, unexpected {list(unexpected)[:5]}"
         )
     if moments is not None:  # the corrected bases, from the weights just loaded
-        n = apply_base_outliers_(model, base_state_dict, moments)
+        n = apply_base_outliers_(model, base_state_dict, moments, device=device)
         log.info(f"Split {n} NF4 bases into NF4 + FFI outliers (model.base_outliers)")
     training.validate_no_params_on_meta_device(model)
     training.validate_expected_param_dtype(get_adapter_params(model).items(), dtype)
@@ -280,17 +280,18 @@ def _outliers_summary(model: nn.Module) -> str:
 
 def _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype, shard):
     """None without ``model.base_outliers``; else the calibration second moments by module name
-    (empty for the ``magnitude`` criterion)."""
+    (empty for the ``magnitude`` criterion). Sharded (FSDP2), every process calibrates and
+    takes rank 0's moments, so that all select the same outliers."""
     names = list(outlier_modules(model))
     if not names:
         return None
-    if shard is not None:
-        raise ConfigKeyError("model.base_outliers is not supported with FSDP2 sharding yet; "
-                             "remove it or train on one device")  # fmt: skip
     if cfg_model.base_outliers.get("criterion", "sensitivity") != "sensitivity":
         return {}
-    return model_second_moments(cfg_model, base_state_dict, names, tokenizer, device=device,
-                                dtype=dtype)  # fmt: skip
+    moments = model_second_moments(cfg_model, base_state_dict, names, tokenizer, device=device,
+                                   dtype=dtype)  # fmt: skip
+    if shard is not None:
+        moments = {name: broadcast(moments[name]) for name in sorted(moments)}
+    return moments
 
 
 def setup_frozen_model(

@@ -259,7 +259,40 @@ def test_svd_init_splits_the_residual_it_trains_on(base):
         module.initialize_from_pretrained(base[f"{name}.weight"])
 
 
-def test_a_sharded_assembly_refuses_the_key(base):
-    with pytest.raises(ConfigKeyError, match=r"^model\.base_outliers is not supported with FSDP2"):
-        assemble_adapter_model(_cfg(outliers=MAGNITUDE), base, device=torch.device("cpu"),
-                               dtype=torch.float32, shard=lambda model: None)  # fmt: skip
+def test_a_sharded_assembly_holds_the_corrected_base_and_exports_it_as_one_device(base, tmp_path):
+    """FSDP2 (one gloo process, so every NF4 base is sharded): each corrected base is a DTensor
+    over ``NF4(W - S)`` with ``S`` whole beside it, equal to the unsharded assembly's, and the
+    full state dict the recipe gathers for its merged export holds ``dequant(NF4) + S`` as one
+    device's state dict does. (The forward of FSDP2's NF4 all-gather needs 2 processes: the
+    losses are checked against one device in tests/recipes/test_squash_finetune_distributed.py.)"""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from squash.export.adapters import state_to_export
+    from squash.training.distributed import shard_model
+
+    cfg = _cfg(outliers=MAGNITUDE)
+    plain = _assemble(base, cfg)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        sharded = assemble_adapter_model(
+            cfg, base, device=torch.device("cpu"), dtype=torch.float32, seed=1,
+            shard=lambda model: shard_model(model, cpu_offload=False),
+        ).model  # fmt: skip
+        names = list(outlier_modules(sharded))
+        assert names == list(outlier_modules(plain)) and len(names) == 14  # 7 linears x 2 layers
+        mine, theirs = dict(sharded.named_modules()), dict(plain.named_modules())
+        for name in names:
+            a, b = mine[name], theirs[name]
+            assert isinstance(a.weight, DTensor) and not isinstance(b.weight, DTensor), name
+            assert torch.equal(a.outlier_indices, b.outlier_indices), name
+            assert torch.equal(a.outlier_values, b.outlier_values), name
+            assert torch.equal(nf4_dequantize(a.weight.to_local()), nf4_dequantize(b.weight)), name
+        full = state_to_export(sharded, adapter_only=False, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    expected = plain.state_dict()
+    for name in names:
+        key = f"{name.replace('_checkpoint_wrapped_module.', '')}.weight"
+        torch.testing.assert_close(full[key], expected[key], rtol=0, atol=0, msg=key)
+        assert not torch.equal(full[key], nf4_dequantize(theirs[name].weight)), key  # S is in

@@ -241,3 +241,50 @@ def test_svd_init_peft_adapter_matches_the_single_device_recipes_and_transformer
             mine, theirs = ours(tokens), peft_model(tokens).logits
         assert (mine - theirs).abs().max() <= 1e-4, run
         assert (base - theirs).abs().max() > 1e-3  # the trained adapter is not a no-op
+
+
+def test_a_corrected_base_trains_as_on_one_device_and_its_merged_weights_carry_the_outliers(
+    tmp_path,
+):
+    """``model.base_outliers`` (sensitivity) on 2 processes: the MLP's NF4 bases are sharded by
+    rows, the attention's stay whole (too small to split). Each step's loss is the
+    single-device recipe's, and the merged weights rank 0 gathers are ``dequant(NF4(W - S)) +
+    S + B A`` of the model rebuilt on one device with the run's adapter, for a sharded weight and
+    a whole one."""
+    from omegaconf import OmegaConf
+
+    from squash.models.opt import OPTCheckpointer, opt_tokenizer
+    from squash.nf4.base_outliers import module_outliers
+    from squash.training import checkpoint as ckpt
+    from squash.training.model_setup import assemble_adapter_model
+
+    keys = ["epochs=1", "max_steps_per_epoch=2", "~mask_update", "save_every_n_steps=null",
+            "model.base_outliers.fraction=0.02", "model.base_outliers.criterion=sensitivity",
+            "model.base_outliers.calibration.samples=4",
+            "model.base_outliers.calibration.max_seq_len=64"]  # fmt: skip
+    tune_run(tmp_path / "single", *keys, "batch_size=8")
+    proc = tune_run(tmp_path / "dist", *keys, "batch_size=4", recipe=RECIPE, config=DIST_CONFIG,
+                    nproc=2)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "NF4 + FFI outliers" in out
+    assert "8 NF4 weights cannot be split evenly over 2 ranks" in out  # q, k, v, out x 2 layers
+    single, dist = logged(tmp_path / "single"), logged(tmp_path / "dist")
+    assert sorted(single) == sorted(dist) == [1, 2]
+    for step in (1, 2):
+        assert dist[step] == pytest.approx(single[step], rel=1e-4), (step, single, dist)
+
+    epoch = tmp_path / "dist" / "epoch_0"
+    block = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
+    tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"))
+    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
+    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
+                                   device=torch.device("cpu"), dtype=torch.float32, seed=1234,
+                                   tokenizer=tok).model  # fmt: skip
+    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
+    merged = load_file(epoch / "model.safetensors")
+    layer = model.layers[1]
+    for module, key in ((layer.mlp.w1, "fc1"), (layer.attn.q_proj, "self_attn.q_proj")):
+        assert module_outliers(module) is not None, key
+        torch.testing.assert_close(merged[f"model.decoder.layers.1.{key}.weight"],
+                                   module.merged_weight(torch.float32), rtol=0, atol=1e-6,
+                                   msg=key)  # fmt: skip
