@@ -175,16 +175,7 @@ class PythonDocsDataset(ChatDataset):
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        items = python_doc_splits(seed)[split]
-        if max_samples is not None:
-            if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-                raise ValueError(f"max_samples must be an integer >= 1, got {max_samples!r}")
-            items = items[:max_samples]
-        self._tokenizer = tokenizer
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
+        super().__init__(tokenizer, python_doc_splits(seed)[split], max_samples)
 
     def messages(self, index: int) -> List[Message]:
         """The untokenized chat of sample ``index``."""
@@ -204,7 +195,6 @@ class PythonDocsDataset(ChatDataset):
     def first_sentence(self, index: int) -> str:
         """The first sentence of sample ``index``'s answer."""
         return first_sentence(self.items[index][1])
-
 
 
 def python_docs_dataset(

@@ -104,28 +104,24 @@ class UnicodeNamesDataset(ChatDataset):
     def __init__(
         self, tokenizer: Any, split: str = "train", seed: int = 0, max_samples: Optional[int] = None
     ) -> None:
-        pairs = unicode_name_pairs(split, seed)
-        if max_samples is not None:
-            if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-                raise ValueError(f"max_samples must be an integer >= 1, got {max_samples!r}")
-            pairs = pairs[:max_samples]
-        self._tokenizer = tokenizer
-        self.pairs = pairs
+        super().__init__(tokenizer, unicode_name_pairs(split, seed), max_samples)
 
-    def __len__(self) -> int:
-        return len(self.pairs)
+    @property
+    def pairs(self) -> List[Tuple[str, str]]:
+        """``(character, name)`` of each sample (the items)."""
+        return self.items
 
     def messages(self, index: int) -> List[Message]:
         """The untokenized chat of sample ``index``."""
-        return unicode_name_messages(*self.pairs[index])
+        return unicode_name_messages(*self.items[index])
 
     def question(self, index: int) -> str:
         """The question of sample ``index``."""
-        return QUESTION.format(char=self.pairs[index][0])
+        return QUESTION.format(char=self.items[index][0])
 
     def answer(self, index: int) -> str:
         """The expected answer (the character's name) of sample ``index``."""
-        return self.pairs[index][1]
+        return self.items[index][1]
 
 
 
