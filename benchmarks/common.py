@@ -158,6 +158,47 @@ def welch(a: list, b: list) -> dict:
     return {"t": t, "df": df, "p": float(2 * student_t.sf(abs(t), df))}
 
 
+def recipe_training(arm: dict, lr: float, steps: int, run_dir: Path, *, device: str = "cpu",
+                    dtype: str = "fp32", log_every: int = 1) -> dict:  # fmt: skip
+    """The training keys of a quality benchmark's ``squash_finetune`` config: one epoch of
+    ``steps`` steps, AdamW at ``lr`` without weight decay, a cosine schedule after a tenth of the
+    steps' warmup, cross entropy, gradients clipped at 1.0, no compile, activation checkpointing
+    or offloading, a DiskLogger in ``run_dir/logs`` every ``log_every`` steps; and the arm's
+    ``mask_update`` (if any) until three quarters of the steps."""
+    cfg = dict(
+        optimizer=dict(_component_="torch.optim.AdamW", lr=lr, weight_decay=0.0),
+        lr_scheduler=dict(
+            _component_="torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            num_warmup_steps=max(1, steps // 10)),
+        loss=dict(_component_="torch.nn.CrossEntropyLoss"),
+        epochs=1, max_steps_per_epoch=steps, gradient_accumulation_steps=1, clip_grad_norm=1.0,
+        compile=False, device=device, dtype=dtype,
+        enable_activation_checkpointing=False, enable_activation_offloading=False,
+        metric_logger=dict(_component_="torchtune.training.metric_logging.DiskLogger",
+                           log_dir=str(run_dir / "logs")),
+        log_every_n_steps=log_every, log_peak_memory_stats=False,
+    )  # fmt: skip
+    if arm.get("mask_update"):
+        cfg["mask_update"] = dict(arm["mask_update"], until_step=max(2, (3 * steps) // 4))
+    return cfg
+
+
+def arm_row(a: dict, lr_fmt: str, edge: str) -> str:
+    """One markdown row of a quality table: an arm's name, rank and memory, its lr sweep on
+    validation (loss and exact match per lr, the best in bold; "not swept here" for none), the
+    best lr with ``edge`` after it, test loss and exact match (mean +/- std) and each seed's test
+    loss. Learning rates are written with ``lr_fmt`` (``".0e"``)."""
+    cells = []
+    for lr_s, r in sorted(a["sweep"].items(), key=lambda kv: float(kv[0])):
+        v = f"{float(lr_s):{lr_fmt}}: {r['val']['loss']:.3f} ({r['val']['exact_match']:.2f})"
+        cells.append(f"**{v}**" if float(lr_s) == a["best_lr"] else v)
+    losses = ", ".join(f"{x:.3f}" for x in a["test_loss"])
+    return (f"| {a['name']} | {a['rank']} | {a['vs_budget']:.2f}x | "
+            f"{'; '.join(cells or ['not swept here'])} | {a['best_lr']:{lr_fmt}}{edge} | "
+            f"{a['test_loss_mean']:.3f} +/- {a['test_loss_std']:.3f} | "
+            f"{a['test_em_mean']:.3f} +/- {a['test_em_std']:.3f} | {losses} |")  # fmt: skip
+
+
 # ---- pictures -------------------------------------------------------------------------------
 def has_matplotlib() -> bool:
     """Whether matplotlib (the ``plot`` extra) is installed."""

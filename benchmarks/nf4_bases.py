@@ -310,13 +310,7 @@ def main(argv=None) -> dict:
     p.add_argument("--doc", default=str(DOC), help="markdown page to append to (empty: none)")
     args = p.parse_args(argv)
     if args.report_only:
-        res = json.loads(args.json.read_text())
-        print(table(res))
-        if args.doc:
-            write_doc(res, Path(args.doc))
-        if args.plot:
-            plot(res, Path(args.plot))
-        return res
+        return report(json.loads(args.json.read_text()), args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -360,6 +354,11 @@ def main(argv=None) -> dict:
               + "  ".join(f"{k} {v['perplexity']:.3f}" for k, v in r["scores"].items())
               + f"  ({r['wall_s']:.0f} s)", flush=True)  # fmt: skip
         write_json(res, args.json)
+    return report(res, args)
+
+
+def report(res: dict, args) -> dict:
+    """Print the table of ``res``; write its doc section and plot where ``args`` asks."""
     print(table(res))
     if args.doc:
         write_doc(res, Path(args.doc))

@@ -54,7 +54,7 @@ from squash.models.opt import opt, opt_tokenizer, opt_tune_to_hf  # noqa: E402
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
 from squash.training.heldout import token_loss  # noqa: E402
 
-from common import host, mean_std  # noqa: E402
+from common import arm_row, host, mean_std, recipe_training  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets" / "tiny_opt"
@@ -271,20 +271,8 @@ def recipe_config(arm: dict, lr: float, seed: int, run_dir: Path, base_dir: Path
         dataset=dict(_component_="torchtune.datasets.instruct_dataset", source="json",
                      data_files=str(train_json), split="train"),
         seed=seed, shuffle=True, batch_size=batch,
-        optimizer=dict(_component_="torch.optim.AdamW", lr=lr, weight_decay=0.0),
-        lr_scheduler=dict(
-            _component_="torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
-            num_warmup_steps=max(1, steps // 10)),
-        loss=dict(_component_="torch.nn.CrossEntropyLoss"),
-        epochs=1, max_steps_per_epoch=steps, gradient_accumulation_steps=1, clip_grad_norm=1.0,
-        compile=False, device="cpu", dtype="fp32",
-        enable_activation_checkpointing=False, enable_activation_offloading=False,
-        metric_logger=dict(_component_="torchtune.training.metric_logging.DiskLogger",
-                           log_dir=str(run_dir / "logs")),
-        log_every_n_steps=1000, log_peak_memory_stats=False,
+        **recipe_training(arm, lr, steps, run_dir, device="cpu", dtype="fp32", log_every=1000),
     )  # fmt: skip
-    if arm.get("mask_update"):
-        cfg["mask_update"] = dict(arm["mask_update"], until_step=max(2, (3 * steps) // 4))
     return cfg
 
 
@@ -358,17 +346,7 @@ def markdown(res: dict) -> str:
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for a in res["arms"]:
-        cells = []
-        for lr_s, r in sorted(a["sweep"].items(), key=lambda kv: float(kv[0])):
-            v = f"{float(lr_s):.1e}: {r['val']['loss']:.3f} ({r['val']['exact_match']:.2f})"
-            cells.append(f"**{v}**" if float(lr_s) == a["best_lr"] else v)
-        edge = " (edge)" if a["best_at_edge"] else ""
-        losses = ", ".join(f"{x:.3f}" for x in a["test_loss"])
-        lines.append(
-            f"| {a['name']} | {a['rank']} | {a['vs_budget']:.2f}x | {'; '.join(cells)} | "
-            f"{a['best_lr']:.1e}{edge} | {a['test_loss_mean']:.3f} +/- {a['test_loss_std']:.3f} "
-            f"| {a['test_em_mean']:.3f} +/- {a['test_em_std']:.3f} | {losses} |"
-        )
+        lines.append(arm_row(a, ".1e", " (edge)" if a["best_at_edge"] else ""))
     lines += ["", res["verdict"]]
     return "\n".join(lines) + "\n"
 

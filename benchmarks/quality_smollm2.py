@@ -60,7 +60,7 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa:
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
 from squash.training.heldout import token_loss  # noqa: E402
 
-from common import DTYPES, host, mean_std, welch  # noqa: E402
+from common import DTYPES, arm_row, host, mean_std, recipe_training, welch  # noqa: E402
 from common import adapted_shapes as _shapes  # noqa: E402
 # benchmarks/quality.py (the generated-task benchmark): its learning-rate sweep and lr rounding
 # serve both scripts
@@ -211,20 +211,8 @@ def recipe_config(arm: dict, lr: float, seed: int, run_dir: Path, ckpt: Path, si
         save_adapter_weights_only=True,
         dataset=dict(_component_="squash.datasets.unicode_names_dataset", split="train"),
         seed=seed, shuffle=True, batch_size=size["batch"],
-        optimizer=dict(_component_="torch.optim.AdamW", lr=lr, weight_decay=0.0),
-        lr_scheduler=dict(
-            _component_="torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
-            num_warmup_steps=max(1, steps // 10)),
-        loss=dict(_component_="torch.nn.CrossEntropyLoss"),
-        epochs=1, max_steps_per_epoch=steps, gradient_accumulation_steps=1, clip_grad_norm=1.0,
-        compile=False, device=device, dtype=dtype,
-        enable_activation_checkpointing=False, enable_activation_offloading=False,
-        metric_logger=dict(_component_="torchtune.training.metric_logging.DiskLogger",
-                           log_dir=str(run_dir / "logs")),
-        log_every_n_steps=1, log_peak_memory_stats=False,
+        **recipe_training(arm, lr, steps, run_dir, device=device, dtype=dtype, log_every=1),
     )  # fmt: skip
-    if arm.get("mask_update"):
-        cfg["mask_update"] = dict(arm["mask_update"], until_step=max(2, (3 * steps) // 4))
     return cfg
 
 
@@ -339,19 +327,8 @@ def markdown(res: dict) -> str:
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for a in res["arms"]:
-        cells = []
-        for lr_s, r in sorted(a["sweep"].items(), key=lambda kv: float(kv[0])):
-            v = f"{float(lr_s):.0e}: {r['val']['loss']:.3f} ({r['val']['exact_match']:.2f})"
-            cells.append(f"**{v}**" if float(lr_s) == a["best_lr"] else v)
         edge = " (edge)" if a["best_at_edge"] else "" if a.get("swept", True) else " (fixed)"
-        if not cells:
-            cells = ["not swept here"]
-        losses = ", ".join(f"{x:.3f}" for x in a["test_loss"])
-        lines.append(
-            f"| {a['name']} | {a['rank']} | {a['vs_budget']:.2f}x | {'; '.join(cells)} | "
-            f"{a['best_lr']:.0e}{edge} | {a['test_loss_mean']:.3f} +/- {a['test_loss_std']:.3f} "
-            f"| {a['test_em_mean']:.3f} +/- {a['test_em_std']:.3f} | {losses} |"
-        )
+        lines.append(arm_row(a, ".0e", edge))
     if res.get("sweeps"):
         lines += ["", "Learning-rate sweep (separate runs, seed 0, validation split; test beside it):",
                   "", "| arm | lr | val loss | val exact match | test loss |",
