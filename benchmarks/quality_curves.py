@@ -206,11 +206,13 @@ def plan(task: str, done: dict, quick: bool = False) -> list:
     if task == "unicode" and best["squash"] is not None:
         for arm in QUICK_LEVERS if quick else LEVERS:
             add(4, arm, best["squash"], [0])
-    if task == "unicode":  # the base under the fine-tune, at its method's best lr on NF4
-        for arm in QUICK_BASES if quick else BASES:
-            method = arm.rsplit("_", 1)[0]
-            if best[method] is not None:
-                add(5, arm, best[method], seeds[:1] if quick else seeds)
+    if task == "unicode":  # the base under the fine-tune, at its method's best lr on NF4;
+        # seed by seed, so that every arm has a run before any has its second
+        for seed in seeds[:1] if quick else seeds:
+            for arm in QUICK_BASES if quick else BASES:
+                method = arm.rsplit("_", 1)[0]
+                if best[method] is not None:
+                    add(5, arm, best[method], [seed])
     return out
 
 

@@ -74,8 +74,8 @@ def test_plan_orders_the_stages():
     assert quarter == [(a, s, 0.25) for a in ("qlora_r16", "squash") for s in (0, 1, 2)]
     assert [q[2] for q in p if q[0] == 4] == qc.LEVERS and {q[3] for q in p if q[0] == 4} == {3e-3}
     assert not [q for q in qc.plan("pydocs", d) if q[0] == 4]  # levers on the first task only
-    bases = [(q[2], q[3], q[4]) for q in p if q[0] == 5]  # every seed, at the method's best lr
-    assert bases == [(a, 3e-3, s) for a in qc.BASES for s in (0, 1, 2)]
+    bases = [(q[2], q[3], q[4]) for q in p if q[0] == 5]  # every seed, at the method's best lr,
+    assert bases == [(a, 3e-3, s) for s in (0, 1, 2) for a in qc.BASES]  # seed by seed
     assert not [q for q in qc.plan("pydocs", d) if q[0] == 5]
 
 
