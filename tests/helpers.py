@@ -106,6 +106,29 @@ def logged(output_dir: Path, key: str = "loss") -> Dict[int, float]:
     return values
 
 
+def assembled_from_checkpoint(ckpt_dir: Path, scratch: Path):
+    """The tiny OPT model as a recipe assembles it from the model block ``ckpt_dir`` recorded
+    (``squash_adapter_config.json``: a corrected base is split again, calibrated with the tiny
+    OPT's tokenizer), base weights from assets/, with the checkpoint's adapter loaded.
+    ``scratch``: a directory for the checkpointer's output."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from squash.models.opt import OPTCheckpointer, opt_tokenizer
+    from squash.training import checkpoint as ckpt
+    from squash.training.model_setup import assemble_adapter_model
+
+    tiny = REPO / "assets" / "tiny_opt"
+    block = json.loads((ckpt_dir / "squash_adapter_config.json").read_text())["model"]
+    tok = opt_tokenizer(str(tiny / "vocab.json"), str(tiny / "merges.txt"))
+    base = OPTCheckpointer(str(tiny), ["model.safetensors"], str(scratch))
+    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
+                                   device=torch.device("cpu"), dtype=torch.float32, seed=1234,
+                                   tokenizer=tok).model  # fmt: skip
+    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(ckpt_dir), ckpt_dir)
+    return model
+
+
 def rehash_checkpoint(path: Path) -> None:
     """Rewrite ``path/checkpoint.json`` to match the files as they now are (what a writer that
     saved them so would have recorded), keeping its counters and config: lets a test reach the

@@ -6,12 +6,10 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.helpers import PINNED, REPO, logged
+from tests.helpers import PINNED, REPO, assembled_from_checkpoint, logged
 
-TINY = REPO / "assets" / "tiny_opt"
 KEYS = ["epochs=1", "max_steps_per_epoch=2", "~mask_update",
         "model.base_outliers.fraction=0.02", "model.base_outliers.criterion=sensitivity",
         "model.base_outliers.calibration.samples=4",
@@ -20,10 +18,8 @@ KEYS = ["epochs=1", "max_steps_per_epoch=2", "~mask_update",
 
 @pytest.mark.slow
 def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, tmp_path):
-    from squash.models.opt import OPTCheckpointer, opt_tokenizer
     from squash.nf4.base_outliers import module_outliers
     from squash.training import checkpoint as ckpt
-    from squash.training.model_setup import assemble_adapter_model
 
     proc = run(tmp_path, *KEYS)
     assert "NF4 + FFI outliers" in proc.stdout + proc.stderr
@@ -35,12 +31,7 @@ def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, 
     assert block["base_outliers"]["criterion"] == "sensitivity"
     assert not any("outlier" in k for k in load_file(epoch / ckpt.SQUASH_ADAPTER_FILE))
 
-    tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"))
-    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
-    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
-                                   device=torch.device("cpu"), dtype=torch.float32, seed=1234,
-                                   tokenizer=tok).model  # fmt: skip
-    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
+    model = assembled_from_checkpoint(epoch, tmp_path / "reload")
     q = model.layers[0].attn.q_proj
     assert module_outliers(q) is not None
     merged = load_file(epoch / "model.safetensors")
@@ -51,19 +42,12 @@ def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, 
 @pytest.mark.slow
 def test_an_adapter_only_checkpoint_merges_into_the_rebuilt_corrected_base(run, tmp_path):
     from squash.merge import load_checkpoint_model
-    from squash.models.opt import OPTCheckpointer
-    from squash.training import checkpoint as ckpt
-    from squash.training.model_setup import assemble_adapter_model
 
     keys = [k.replace("=sensitivity", "=magnitude") for k in KEYS]
     run(tmp_path, *keys, "save_adapter_weights_only=True")
     epoch = tmp_path / "epoch_0"
     weights = load_checkpoint_model(epoch).weights  # squash export's and squash chat's merge
-    block = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
-    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
-    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
-                                   device=torch.device("cpu"), dtype=torch.float32).model  # fmt: skip
-    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
+    model = assembled_from_checkpoint(epoch, tmp_path / "reload")
     want = model.layers[1].mlp.w2.merged_weight(torch.float32)  # fc2: dequant + S + B A
     torch.testing.assert_close(weights["model.decoder.layers.1.fc2.weight"], want, rtol=0,
                                atol=1e-6)  # fmt: skip

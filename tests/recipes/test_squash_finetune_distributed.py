@@ -12,7 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import QUICK, REPO, TUNE, launcher, logged, tune_run
+from tests.helpers import (
+    QUICK,
+    REPO,
+    TUNE,
+    assembled_from_checkpoint,
+    launcher,
+    logged,
+    tune_run,
+)
 
 pytestmark = pytest.mark.slow  # 2 processes on the CPU; they still run in CI
 
@@ -251,12 +259,7 @@ def test_a_corrected_base_trains_as_on_one_device_and_its_merged_weights_carry_t
     single-device recipe's, and the merged weights rank 0 gathers are ``dequant(NF4(W - S)) +
     S + B A`` of the model rebuilt on one device with the run's adapter, for a sharded weight and
     a whole one."""
-    from omegaconf import OmegaConf
-
-    from squash.models.opt import OPTCheckpointer, opt_tokenizer
     from squash.nf4.base_outliers import module_outliers
-    from squash.training import checkpoint as ckpt
-    from squash.training.model_setup import assemble_adapter_model
 
     keys = ["epochs=1", "max_steps_per_epoch=2", "~mask_update", "save_every_n_steps=null",
             "model.base_outliers.fraction=0.02", "model.base_outliers.criterion=sensitivity",
@@ -274,13 +277,7 @@ def test_a_corrected_base_trains_as_on_one_device_and_its_merged_weights_carry_t
         assert dist[step] == pytest.approx(single[step], rel=1e-4), (step, single, dist)
 
     epoch = tmp_path / "dist" / "epoch_0"
-    block = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
-    tok = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"))
-    base = OPTCheckpointer(str(TINY), ["model.safetensors"], str(tmp_path / "reload"))
-    model = assemble_adapter_model(OmegaConf.create(block), base.load_checkpoint()["model"],
-                                   device=torch.device("cpu"), dtype=torch.float32, seed=1234,
-                                   tokenizer=tok).model  # fmt: skip
-    ckpt.load_adapter_into(model, ckpt.load_squash_adapter(epoch), epoch)
+    model = assembled_from_checkpoint(epoch, tmp_path / "reload")
     merged = load_file(epoch / "model.safetensors")
     layer = model.layers[1]
     for module, key in ((layer.mlp.w1, "fc1"), (layer.attn.q_proj, "self_attn.q_proj")):
