@@ -32,6 +32,7 @@ from squash.training.distributed import shard_nf4_like
 __all__ = [
     "apply_base_outliers_",
     "calibration_tokens",
+    "input_width",
     "model_second_moments",
     "second_moments",
 ]
@@ -60,6 +61,11 @@ def calibration_tokens(tokenizer: Any, samples: int, max_seq_len: int) -> torch.
 
 
 @torch.no_grad()
+def input_width(module: nn.Module) -> int:
+    """The input features of a linear (``in_features``) or a LoRA module (``in_dim``)."""
+    return getattr(module, "in_features", None) or module.in_dim
+
+
 def second_moments(
     model: nn.Module, batches: Iterable[torch.Tensor], names: Iterable[str]
 ) -> Dict[str, torch.Tensor]:
@@ -72,8 +78,7 @@ def second_moments(
     mods = dict(model.named_modules())
     stats, hooks = {}, []
     for name in names:
-        width = getattr(mods[name], "in_features", None) or mods[name].in_dim  # Linear, LoRA
-        stats[name] = SecondMoment(width)
+        stats[name] = SecondMoment(input_width(mods[name]))
         hooks.append(mods[name].register_forward_pre_hook(
             lambda _m, args, s=stats[name]: s.update(args[0])))  # fmt: skip
     try:

@@ -22,7 +22,11 @@ from squash.training.adapter_init import (
     loftq_initial_state,
     svd_initial_state,
 )
-from squash.training.calibration import apply_base_outliers_, model_second_moments
+from squash.training.calibration import (
+    apply_base_outliers_,
+    input_width,
+    model_second_moments,
+)
 from squash.training.config_checks import ConfigKeyError, builder_block
 from squash.training.distributed import broadcast, load_full_state_dict
 from squash.modules.adapter import adapter_layout, dense_adapter
@@ -280,17 +284,22 @@ def _outliers_summary(model: nn.Module) -> str:
 
 def _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype, shard):
     """None without ``model.base_outliers``; else the calibration second moments by module name
-    (empty for the ``magnitude`` criterion). Sharded (FSDP2), every process calibrates and
-    takes rank 0's moments, so that all select the same outliers."""
-    names = list(outlier_modules(model))
-    if not names:
+    (empty for the ``magnitude`` criterion). Sharded (FSDP2), rank 0 calibrates and the others
+    receive its moments (sent on ``device``, as NCCL needs), so that all select the same
+    outliers."""
+    mods = outlier_modules(model)
+    if not mods:
         return None
     if cfg_model.base_outliers.get("criterion", "sensitivity") != "sensitivity":
         return {}
-    moments = model_second_moments(cfg_model, base_state_dict, names, tokenizer, device=device,
-                                   dtype=dtype)  # fmt: skip
+    if shard is None or _rank_zero():
+        moments = model_second_moments(cfg_model, base_state_dict, list(mods), tokenizer,
+                                       device=device, dtype=dtype)  # fmt: skip
+    else:  # filled by rank 0's broadcast below
+        moments = {name: torch.empty(input_width(m), dtype=torch.float32)
+                   for name, m in mods.items()}  # fmt: skip
     if shard is not None:
-        moments = {name: broadcast(moments[name]) for name in sorted(moments)}
+        moments = {name: broadcast(moments[name].to(device)).cpu() for name in sorted(moments)}
     return moments
 
 
