@@ -7,6 +7,9 @@ A script imports it as ``import common`` (or ``from common import ...``): run as
 there once (``tests/benchmarks/conftest.py``). The scripts import each other the same way.
 """
 
+import argparse
+import functools
+import importlib
 import math
 import os
 import platform
@@ -22,13 +25,26 @@ from squash.models.smollm2._model_builders import SMOLLM2_135M
 
 __all__ = ["DTYPES", "OPT_350M", "SMOLLM2_135M", "adapted_shapes", "cpu_flags", "cpu_model",
            "has_matplotlib", "host", "kernels", "machine_line", "make_timer", "mean_std",
-           "pyplot", "save_png", "sync", "welch"]  # fmt: skip
+           "model_script", "pyplot", "save_png", "sync", "welch"]  # fmt: skip
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # ---- model sizes ----------------------------------------------------------------------------
 # squash's builders' sizes (`opt_350m`, `smollm2_135m`), with `num_layers`: all of the model's.
 OPT_350M = dict(_OPT_SIZES["350m"])
+
+
+def model_script(argv: list, default: str, scripts: dict):
+    """The ``main`` of the sibling script that serves ``--model`` (read from anywhere in
+    ``argv``), bound to the other arguments; None for ``default``, the calling script's own
+    model. One script serves each model this way (``quality.py``, ``distill.py``: the SmolLM2
+    runs live in a sibling module). A bad ``--model`` exits as argparse does."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=(default, *scripts), default=default)
+    known, rest = pre.parse_known_args(argv)
+    if known.model == default:
+        return None
+    return functools.partial(importlib.import_module(scripts[known.model]).main, rest)
 
 
 def adapted_shapes(family: str, layers: int = None, sizes: dict = None) -> list:

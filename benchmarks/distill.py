@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import machine_line
+from common import machine_line, model_script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is no package and not installed
@@ -109,13 +109,9 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny")
-    known, rest = pre.parse_known_args(argv)
-    if known.model == "smollm2":  # the real model: benchmarks/distill_smollm2.py
-        import distill_smollm2
-
-        distill_smollm2.main(rest)
+    smollm2 = model_script(argv, "opt_tiny", {"smollm2": "distill_smollm2"})
+    if smollm2 is not None:  # the real model: benchmarks/distill_smollm2.py
+        smollm2()
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny",

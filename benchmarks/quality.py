@@ -3,6 +3,7 @@
     python benchmarks/quality.py            # the full run (README: "Quality at equal memory")
     python benchmarks/quality.py --quick    # a smoke run of every stage, for the tests
     python benchmarks/quality.py --model smollm2 ...  # SmolLM2-135M: benchmarks/quality_smollm2.py
+                                                      # (--model anywhere; the rest its options)
 
 The task (generated, deterministic for ``--data-seed``): sequences of 3-6 letters from a
 16-letter alphabet. A small OPT is first pre-trained here (full fine-tune, plain PyTorch) on two
@@ -54,7 +55,7 @@ from squash.models.opt import opt, opt_tokenizer, opt_tune_to_hf  # noqa: E402
 from squash.training import lora_adapter_memory, max_rank_within  # noqa: E402
 from squash.training.heldout import token_loss  # noqa: E402
 
-from common import arm_row, host, mean_std, recipe_training  # noqa: E402
+from common import arm_row, host, mean_std, model_script, recipe_training  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets" / "tiny_opt"
@@ -377,11 +378,13 @@ def verdict(res: dict) -> str:
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["--model", "smollm2"]:  # the real model: benchmarks/quality_smollm2.py
-        import quality_smollm2
-
-        return quality_smollm2.main(argv[2:])
+    smollm2 = model_script(argv, "opt_2layer", {"smollm2": "quality_smollm2"})
+    if smollm2 is not None:  # the real model: benchmarks/quality_smollm2.py
+        return smollm2()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("opt_2layer", "smollm2"), default="opt_2layer",
+                   help="opt_2layer: the generated task on a 2-layer OPT (default); smollm2: "
+                   "SmolLM2-135M-Instruct (benchmarks/quality_smollm2.py, its own options)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--rank", type=int, default=8, help="QLoRA's rank r (default 8)")
     p.add_argument("--sparsity", type=float, default=0.9)

@@ -86,3 +86,29 @@ def _printed(text: str) -> tuple[float, float]:
     """A printed number and half a unit of its last digit."""
     decimals = len(text.split(".")[1]) if "." in text else 0
     return float(text), 0.5 * 10.0**-decimals
+
+
+@pytest.mark.parametrize(
+    "script, sibling, other",
+    [("quality", "quality_smollm2", "opt_2layer"), ("distill", "distill_smollm2", "opt_tiny")],
+)
+def test_model_flag_anywhere_hands_the_other_arguments_to_the_smollm2_script(
+    monkeypatch, script, sibling, other
+):
+    """``--model smollm2`` in any position runs the sibling script on exactly the other arguments,
+    in their order; an unknown model exits as argparse does, naming the choices."""
+    import importlib
+
+    main, sib = importlib.import_module(script).main, importlib.import_module(sibling)
+    seen = []
+    monkeypatch.setattr(sib, "main", lambda argv: seen.append(list(argv)))
+    main(["--quick", "--model", "smollm2", "--seeds", "2"])
+    main(["--model=smollm2", "--quick"])
+    assert seen == [["--quick", "--seeds", "2"], ["--quick"]]
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "llama"])
+    assert e.value.code == 2
+    # the default model's own parser also takes the flag (it shows in --help)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", other, "--help"])
+    assert e.value.code == 0 and seen == [["--quick", "--seeds", "2"], ["--quick"]]
