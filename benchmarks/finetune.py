@@ -183,18 +183,35 @@ def _smollm2(args, lora_rank, quantize_base, sparsity=None, sparse_factor="a"):
 
 
 def as_torchtune_nf4_(model):
-    """The inverse of ``squash.modules.use_squash_nf4_``: torchtune's own ``LoRALinear`` and
-    ``FrozenNF4Linear`` (torchao's ``linear_nf4``), in place."""
+    """The inverse of ``squash.nf4.use_squash_nf4_``: each ``NF4LoRALinear`` replaced by
+    torchtune's own ``LoRALinear`` and each ``NF4Linear`` by its ``FrozenNF4Linear`` (torchao's
+    ``linear_nf4``), in place. Each replacement is built by torchtune's constructor on the meta
+    device with the NF4 block sizes of the weight it takes (torchtune passes them to ``to_nf4``),
+    then given the old module's NF4 weight, factors and dropout: the same tensors."""
     from torchtune.modules.low_precision import FrozenNF4Linear
     from torchtune.modules.peft import LoRALinear
 
-    from squash.modules import NF4Linear, NF4LoRALinear
+    from squash.nf4 import NF4Linear, NF4LoRALinear
 
-    for m in model.modules():
+    for name, m in list(model.named_modules()):
+        if type(m) not in (NF4LoRALinear, NF4Linear):
+            continue
+        blocks = dict(block_size=m.weight.block_size, scaler_block_size=m.weight.scaler_block_size)
         if type(m) is NF4LoRALinear:
-            m.__class__ = LoRALinear
-        elif type(m) is NF4Linear:
-            m.__class__ = FrozenNF4Linear
+            with torch.device("meta"):
+                new = LoRALinear(m.in_dim, m.out_dim, m.rank, m.alpha, use_bias=m.use_bias,
+                                 quantize_base=True, **blocks)  # fmt: skip
+            for key in ("weight", "bias", "dropout", "lora_a", "lora_b"):
+                setattr(new, key, getattr(m, key))
+            new.disabled, new.merged = m.disabled, m.merged
+        else:
+            with torch.device("meta"):
+                new = FrozenNF4Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                                      dtype=m.weight.dtype, **blocks)  # fmt: skip
+            new.weight, new.bias = m.weight, m.bias
+        new.train(m.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
     return model
 
 

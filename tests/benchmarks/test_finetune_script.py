@@ -184,3 +184,45 @@ def test_a_log_without_timed_steps_is_an_error(tmp_path):
     _disk_log(tmp_path / "a", [10.0])
     with pytest.raises(RuntimeError, match="no step after the first"):
         ft.logged_steps(tmp_path / "a")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_baseline_row_is_torchtunes_own_qlora_on_the_same_tensors(tmp_path, family):
+    """The ``torchtune QLoRA`` row holds torchtune's own ``LoRALinear`` (quantized base) and
+    ``FrozenNF4Linear`` wherever squash's QLoRA row of the same base and seed holds squash's NF4
+    classes, on the same NF4 weights, and its loss and every adapter gradient equal squash's (the
+    same math through torchao's ``linear_nf4``)."""
+    from torchtune.modules.low_precision import FrozenNF4Linear
+    from torchtune.modules.peft import LoRALinear
+
+    from squash.nf4 import NF4Linear, NF4LoRALinear
+
+    args = ft.parse_args(["--model", family, "--layers", "1", "--vocab-size", str(VOCAB),
+                          "--no-recipes", "--seq-len", str(T), "--batch", "1"])  # fmt: skip
+    base = ft.base_state_dict(args, ft.write_random_checkpoint(args, tmp_path / "ckpt"))
+    (_, torchtune_kw, _), (_, squash_kw, _) = ft.rows(args)[:2]
+    models = []
+    for kw in (torchtune_kw, squash_kw):
+        torch.manual_seed(0)
+        models.append(ft.build(args, kw, base)[0])
+    tt, sq = (dict(m.named_modules()) for m in models)
+    swapped = {n: type(m) for n, m in sq.items() if type(m) in (NF4LoRALinear, NF4Linear)}
+    assert swapped and set(n for n, m in tt.items() if type(m) in (NF4LoRALinear, NF4Linear)) == set()
+    for n, cls in swapped.items():
+        assert type(tt[n]) is (LoRALinear if cls is NF4LoRALinear else FrozenNF4Linear), n
+        w_tt, w_sq = tt[n].weight, sq[n].weight
+        assert (w_tt.block_size, w_tt.scaler_block_size) == (w_sq.block_size, w_sq.scaler_block_size)
+        assert torch.equal(w_tt.get_original_weight(), w_sq.get_original_weight()), n
+    batch = ft.make_batch(args)
+    losses, grads = [], []
+    for m in models:
+        logits = torch.cat(m(batch), dim=1)  # the output chunks
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                 batch[:, 1:].flatten())  # fmt: skip
+        loss.backward()
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)
