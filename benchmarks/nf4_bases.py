@@ -14,13 +14,18 @@ weight of one base, and held-out perplexity is measured:
   entry also scored by what the block's finer scale saves; one selection round);
 - ``loftq_r16_i<T>``: :func:`squash.nf4.loftq_factors` rank 16, ``T`` iterations, the NF4 base
   plus ``B A`` (factors rounded to bfloat16) as LoftQ initializes a QLoRA model before training.
+- ``loftq_squash_r143_i1``: LoftQ at squash's rank at QLoRA r=16's adapter memory (143, both
+  factors 90% sparse, as ``configs/smollm2_135m.yaml``), one iteration, the step
+  ``init: loftq`` takes for a ``SparseLoRALinear``: :func:`squash.nf4.loftq` with
+  :func:`squash.modules.svd_factors` (FFI factors, values rounded to bfloat16).
 
 Each corrected base is evaluated through its dense weight ``dequant(NF4) + S`` (equal to the
 module's ``nf4_linear + ffi_linear`` forward to float rounding: ``tests/nf4/test_outliers.py``).
 
 Bits per parameter are counted from the tensors over those linears' weights: NF4's packed codes,
 int8 scalers, per-scaler-block float32 factors, mean and code book (``nf4_bytes``); outliers at
-16 bits a value plus 16 an index (int16); LoftQ's factors at 16 bits an entry.
+16 bits a value plus 16 an index (int16); LoftQ's factors at 16 bits an entry (a sparse factor's
+entries 16 bits a value plus its index's width).
 
 Text: calibration on the train split of squash's Python Language Reference text
 (:mod:`squash.datasets.pydoc_text`), evaluation on its test split (documents never seen in
@@ -60,6 +65,9 @@ from squash.nf4 import (  # noqa: E402
     split_outliers,
 )
 from squash.nf4.ops import nf4_dequantize  # noqa: E402
+from squash.nf4.loftq import loftq  # noqa: E402
+from squash.modules import svd_factors  # noqa: E402
+from squash.sparsity import fan_in_for, ffi_to_dense, index_dtype  # noqa: E402
 
 from common import cpu_flags, cpu_model, pyplot, save_png  # noqa: E402
 
@@ -139,7 +147,29 @@ def base_weight(arm: dict, name: str, w: torch.Tensor, moments: dict):
         a, b = a.bfloat16(), b.bfloat16()
         bits = nf4_bytes(base) * 8 + 8 * (a.numel() * 2 + b.numel() * 2)
         return nf4_dequantize(base) + b.float() @ a.float(), bits
+    if kind == "loftq_squash":
+        return squash_loftq_weight(w, arm["rank"], arm["sparsity"], arm["iterations"], name)
     raise ValueError(f"unknown arm kind {kind!r}")
+
+
+def squash_loftq_weight(w: torch.Tensor, rank: int, sparsity: float, iterations: int, name: str):
+    """``(dequant(NF4) + B A, bits)``: LoftQ with squash's sparse step (both factors FFI at
+    ``sparsity``), the factors' values rounded to bfloat16, indices at their FFI width."""
+    fan_a, fan_b = fan_in_for(w.shape[1], sparsity), fan_in_for(rank, sparsity)
+
+    def step(error):
+        state, rest = svd_factors(error, rank=rank, scaling=1.0, fan_in_a=fan_a, fan_in_b=fan_b)
+        return state, (error.double() - rest).float()
+
+    result = loftq(w, iterations, step, name=name)
+    f = result.factors
+    a = ffi_to_dense(f["lora_a.values"].bfloat16().float(), f["lora_a.indices"], w.shape[1])
+    b = ffi_to_dense(f["lora_b.values"].bfloat16().float(), f["lora_b.indices"], rank)
+    bits = nf4_bytes(result.base) * 8
+    for factor, width in (("lora_a", w.shape[1]), ("lora_b", rank)):
+        n = f[f"{factor}.values"].numel()
+        bits += n * (16 + 8 * torch.empty(0, dtype=index_dtype(width)).element_size())
+    return nf4_dequantize(result.base) + b @ a, bits
 
 
 def arms(fractions=FRACTIONS, loftq_iterations=(1, 5)) -> list:
@@ -158,6 +188,8 @@ def arms(fractions=FRACTIONS, loftq_iterations=(1, 5)) -> list:
     for t in loftq_iterations:
         if t != 1:
             out.append(dict(name=f"loftq_r16_i{t}", kind="loftq", rank=16, iterations=t))
+    out.append(dict(name="loftq_squash_r143_i1", kind="loftq_squash", rank=143, sparsity=0.9,
+                    iterations=1))  # fmt: skip
     for f in ordered:  # scale-aware selection (removal gains), added after the first run
         for criterion in ("sensitivity", "magnitude"):
             out.append(dict(name=f"outliers_{criterion}+scale_{100 * f:g}%", kind="outliers",
@@ -246,7 +278,8 @@ def plot(res: dict, path: Path) -> None:
     """Perplexity against bits per parameter, one panel per evaluation text, fp32 as a line."""
     sets = list(res["eval_windows"])
     fig, axes = pyplot().subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
-    styles = {"nf4": ("k", "s"), "outliers": (None, "o"), "loftq": (None, "^")}
+    styles = {"nf4": ("k", "s"), "outliers": (None, "o"), "loftq": (None, "^"),
+              "loftq_squash": (None, "v")}
     for ax, s in zip(axes[0], sets):
         series = {}
         for a in res["arms"]:

@@ -93,6 +93,33 @@ def test_arms_replace_the_projections_and_restore_them():
     assert "| nf4 | " in table and "0.0%" in table and "100.0%" in table
 
 
+def test_squash_loftq_arm_by_hand():
+    """The squash-rank LoftQ arm, one iteration, on one weight: ``dequant(NF4(W)) + B A`` with
+    ``B`` and ``A`` the SVD factors of the NF4 error split as ``U sqrt(S)`` and ``sqrt(S) V^T``,
+    each row cut to its fan-in largest magnitudes and rounded to bfloat16 (computed here from
+    torch.linalg.svd); bits: NF4's plus 32 a kept entry (16-bit value, int16 index)."""
+    torch.manual_seed(0)
+    w = torch.randn(128, 64) * 0.05
+    rank, sparsity = 8, 0.5
+    got, bits = nb.squash_loftq_weight(w, rank, sparsity, 1, "layers.0.mlp.up_proj.weight")
+    block, scaler = nf4_block_sizes("w", tuple(w.shape))
+    q = to_nf4(w, block, scaler)
+    deq = q.get_original_weight().float()
+    u, sv, vh = torch.linalg.svd((w - deq).double(), full_matrices=False)
+    b0, a0 = u[:, :rank] * sv[:rank].sqrt(), sv[:rank].sqrt()[:, None] * vh[:rank]
+
+    def keep(m, k):  # the k largest magnitudes of each row, the rest zero
+        idx = m.abs().topk(k, dim=1).indices
+        return torch.zeros_like(m).scatter(1, idx, m.gather(1, idx)).bfloat16().double()
+
+    a, b = keep(a0, 32), keep(b0, 4)  # fan-ins: round(0.5 * 64), round(0.5 * 8)
+    torch.testing.assert_close(got.double(), deq.double() + b @ a, atol=1e-6, rtol=0)
+    nf4_bits = w.numel() * 4 + w.numel() // block * 8 + w.numel() // block // scaler * 32 + 32 + 16 * 32
+    assert bits == nf4_bits + 32 * (rank * 32 + 128 * 4)
+    # the correction lowers the error NF4 leaves
+    assert (got - w).norm() < (deq - w).norm()
+
+
 @pytest.mark.smollm2
 def test_end_to_end_json(tmp_path, smollm2_checkpoint):
     """main() on a tiny random Llama saved with SmolLM2's tokenizer."""
