@@ -267,7 +267,7 @@ def markdown(res: dict) -> str:
         + ", ".join(f"{k} {v} windows" for k, v in w.items())
         + ". Bits per parameter over the decoder projections' weights, counted from the "
         "tensors (NF4 codes, scalers and factors; outliers 16-bit value + 16-bit index; LoftQ "
-        "factors 16 bits an entry). Gap closed = (ppl_nf4 - ppl) / (ppl_nf4 - ppl_fp32).",
+        "factors 16 bits an entry, a sparse factor's 16-bit value + its index). Gap closed = (ppl_nf4 - ppl) / (ppl_nf4 - ppl_fp32).",
         "",
         table(res),
         "",
