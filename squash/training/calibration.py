@@ -60,12 +60,12 @@ def calibration_tokens(tokenizer: Any, samples: int, max_seq_len: int) -> torch.
     return torch.tensor(ids[: n * max_seq_len]).view(n, max_seq_len)
 
 
-@torch.no_grad()
 def input_width(module: nn.Module) -> int:
     """The input features of a linear (``in_features``) or a LoRA module (``in_dim``)."""
     return getattr(module, "in_features", None) or module.in_dim
 
 
+@torch.no_grad()
 def second_moments(
     model: nn.Module, batches: Iterable[torch.Tensor], names: Iterable[str]
 ) -> Dict[str, torch.Tensor]:

@@ -199,7 +199,10 @@ def test_second_moment_hook_equals_a_hand_computation():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     batches = [torch.randn(2, 5, 3), torch.randn(1, 5, 3)]
+    grad_enabled = []  # the calibration forward records no autograd graph
+    model.register_forward_hook(lambda *_: grad_enabled.append(torch.is_grad_enabled()))
     got = second_moments(model, batches, ["0", "2"])
+    assert grad_enabled == [False, False]
     with torch.no_grad():
         x = torch.cat([b.reshape(-1, 3) for b in batches])  # (15, 3)
         h = torch.relu(model[0](x))  # (15, 4)
