@@ -168,7 +168,7 @@ def squash_loftq_weight(w: torch.Tensor, rank: int, sparsity: float, iterations:
     bits = nf4_bytes(result.base) * 8
     for factor, width in (("lora_a", w.shape[1]), ("lora_b", rank)):
         n = f[f"{factor}.values"].numel()
-        bits += n * (16 + 8 * torch.empty(0, dtype=index_dtype(width)).element_size())
+        bits += n * (16 + torch.iinfo(index_dtype(width)).bits)
     return nf4_dequantize(result.base) + b @ a, bits
 
 
@@ -267,7 +267,8 @@ def markdown(res: dict) -> str:
         + ", ".join(f"{k} {v} windows" for k, v in w.items())
         + ". Bits per parameter over the decoder projections' weights, counted from the "
         "tensors (NF4 codes, scalers and factors; outliers 16-bit value + 16-bit index; LoftQ "
-        "factors 16 bits an entry, a sparse factor's 16-bit value + its index). Gap closed = (ppl_nf4 - ppl) / (ppl_nf4 - ppl_fp32).",
+        "factors 16 bits an entry, a sparse factor's 16-bit value + its index). Gap closed = "
+        "(ppl_nf4 - ppl) / (ppl_nf4 - ppl_fp32).",
         "",
         table(res),
         "",

@@ -207,11 +207,12 @@ def test_the_baseline_row_is_torchtunes_own_qlora_on_the_same_tensors(tmp_path, 
         models.append(ft.build(args, kw, base)[0])
     tt, sq = (dict(m.named_modules()) for m in models)
     swapped = {n: type(m) for n, m in sq.items() if type(m) in (NF4LoRALinear, NF4Linear)}
-    assert swapped and set(n for n, m in tt.items() if type(m) in (NF4LoRALinear, NF4Linear)) == set()
+    assert swapped and not any(type(m) in (NF4LoRALinear, NF4Linear) for m in tt.values())
     for n, cls in swapped.items():
         assert type(tt[n]) is (LoRALinear if cls is NF4LoRALinear else FrozenNF4Linear), n
         w_tt, w_sq = tt[n].weight, sq[n].weight
-        assert (w_tt.block_size, w_tt.scaler_block_size) == (w_sq.block_size, w_sq.scaler_block_size)
+        blocks = (w_tt.block_size, w_tt.scaler_block_size)
+        assert blocks == (w_sq.block_size, w_sq.scaler_block_size), n
         assert torch.equal(w_tt.get_original_weight(), w_sq.get_original_weight()), n
     batch = ft.make_batch(args)
     losses, grads = [], []

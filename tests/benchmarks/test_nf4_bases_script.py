@@ -33,6 +33,12 @@ def _hf_perplexity(model, tokens):
     return math.exp(nll / n)
 
 
+def _nf4_bits(numel: int, block: int, scaler: int) -> int:
+    """NF4's bits by hand: 4-bit codes, an int8 scaler a block, a float32 factor a scaler block,
+    the float32 mean and the 16 float32 levels."""
+    return numel * 4 + numel // block * 8 + numel // block // scaler * 32 + 32 + 16 * 32
+
+
 def test_perplexity_equals_transformers_loss():
     model = _tiny()
     tokens = torch.randint(0, 256, (5, 16))
@@ -68,9 +74,7 @@ def test_arms_replace_the_projections_and_restore_them():
             block, scaler = nf4_block_sizes(name, tuple(m.weight.shape))
             q = to_nf4(m.weight, block, scaler)
             m.weight.copy_(q.get_original_weight())
-            # codes 4 bits, int8 scalers, a float32 factor a scaler block, mean, 16 levels
-            bits += (m.weight.numel() * 4 + m.weight.numel() // block * 8
-                     + m.weight.numel() // block // scaler * 32 + 32 + 16 * 32)  # fmt: skip
+            bits += _nf4_bits(m.weight.numel(), block, scaler)
             numel += m.weight.numel()
     assert math.isclose(nf4["scores"]["t"]["perplexity"], _hf_perplexity(ref, tokens), rel_tol=1e-5)
     assert math.isclose(nf4["bits_per_param"], bits / numel)
@@ -114,8 +118,7 @@ def test_squash_loftq_arm_by_hand():
 
     a, b = keep(a0, 32), keep(b0, 4)  # fan-ins: round(0.5 * 64), round(0.5 * 8)
     torch.testing.assert_close(got.double(), deq.double() + b @ a, atol=1e-6, rtol=0)
-    nf4_bits = w.numel() * 4 + w.numel() // block * 8 + w.numel() // block // scaler * 32 + 32 + 16 * 32
-    assert bits == nf4_bits + 32 * (rank * 32 + 128 * 4)
+    assert bits == _nf4_bits(w.numel(), block, scaler) + 32 * (rank * 32 + 128 * 4)
     # the correction lowers the error NF4 leaves
     assert (got - w).norm() < (deq - w).norm()
 
