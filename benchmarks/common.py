@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,17 +35,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPT_350M = dict(_OPT_SIZES["350m"])
 
 
-def model_script(argv: list, default: str, scripts: dict):
-    """The ``main`` of the sibling script that serves ``--model`` (read from anywhere in
-    ``argv``), bound to the other arguments; None for ``default``, the calling script's own
-    model. One script serves each model this way (``quality.py``, ``distill.py``: the SmolLM2
-    runs live in a sibling module). A bad ``--model`` exits as argparse does."""
+def model_script(argv: list, doc: str, models: dict):
+    """One script for every model behind ``--model`` (``quality.py``, ``distill.py``: the SmolLM2
+    runs live in a sibling module).
+
+    Args:
+        argv (Optional[list]): the arguments (default: ``sys.argv[1:]``); ``--model`` may
+            stand anywhere in them.
+        doc (str): the calling script's docstring (its first line describes the parser).
+        models (dict): ``{name: (sibling module or None, help)}``; the first is the default, and
+            None marks the calling script's own model.
+
+    Returns:
+        ``(main, parser)``: ``main`` is the sibling's ``main`` bound to the other arguments, or
+        None for the calling script's own model; ``parser`` is the calling script's parser with
+        ``--model`` already added (so ``--help`` lists the choices). A bad ``--model`` exits as
+        argparse does.
+    """
+    default = next(iter(models))
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", choices=(default, *scripts), default=default)
-    known, rest = pre.parse_known_args(argv)
-    if known.model == default:
-        return None
-    return functools.partial(importlib.import_module(scripts[known.model]).main, rest)
+    pre.add_argument("--model", choices=tuple(models), default=default)
+    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--model", choices=tuple(models), default=default,
+                        help="; ".join(f"{k}: {h}" for k, (_, h) in models.items()))
+    sibling = models[known.model][0]
+    if sibling is None:
+        return None, parser
+    return functools.partial(importlib.import_module(sibling).main, rest), parser
 
 
 def adapted_shapes(family: str, layers: int = None, sizes: dict = None) -> list:

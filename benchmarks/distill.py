@@ -21,7 +21,6 @@ Writes ``benchmarks/results/distill.md`` (``distill_quick.md`` with ``--quick``)
 numbers as ``.json`` beside it.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -40,6 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is no package and not installed
 import distill_teacher  # noqa: E402
 
+MODELS = {  # --model: (the script that runs it, None for this one; help)
+    "opt_tiny": (None, "the tiny OPT teacher of scripts/distill_teacher.py (default)"),
+    "smollm2": ("distill_smollm2", "SmolLM2-135M-Instruct (benchmarks/distill_smollm2.py)"),
+}
 TUNE = str(Path(sys.executable).with_name("tune"))
 ARMS = {  # name: (task_weight, kd_weight, squarehead_weight)
     "plain CE": (1, 0, 0),
@@ -108,15 +111,10 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    smollm2 = model_script(argv, "opt_tiny", {"smollm2": "distill_smollm2"})
+    smollm2, parser = model_script(argv, __doc__, MODELS)
     if smollm2 is not None:  # the real model: benchmarks/distill_smollm2.py
         smollm2()
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("opt_tiny", "smollm2"), default="opt_tiny",
-                        help="opt_tiny: the tiny OPT teacher of scripts/distill_teacher.py "
-                        "(default); smollm2: SmolLM2-135M-Instruct (benchmarks/distill_smollm2.py)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--teacher-seed", type=int, default=0, help="the teacher's torch seed")

@@ -31,7 +31,6 @@ Writes ``benchmarks/results/quality.md`` (``quality_quick.md`` with ``--quick``)
 numbers, per seed and per learning rate, as ``.json`` beside it.
 """
 
-import argparse
 import json
 import logging
 import os
@@ -61,6 +60,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets" / "tiny_opt"
 RESULTS = ROOT / "benchmarks" / "results"
 IGNORE = -100
+MODELS = {  # --model: (the script that runs it, None for this one; help)
+    "opt_2layer": (None, "the generated task on a 2-layer OPT (default)"),
+    "smollm2": ("quality_smollm2", "SmolLM2-135M-Instruct (benchmarks/quality_smollm2.py, its own "
+                "options)"),
+}
 LETTERS = list("abcdfghklmnoprst")  # each " x" and "x" is one token of the tiny tokenizer
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
@@ -377,14 +381,9 @@ def verdict(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    smollm2 = model_script(argv, "opt_2layer", {"smollm2": "quality_smollm2"})
+    smollm2, p = model_script(argv, __doc__, MODELS)
     if smollm2 is not None:  # the real model: benchmarks/quality_smollm2.py
         return smollm2()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("opt_2layer", "smollm2"), default="opt_2layer",
-                   help="opt_2layer: the generated task on a 2-layer OPT (default); smollm2: "
-                   "SmolLM2-135M-Instruct (benchmarks/quality_smollm2.py, its own options)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every stage")
     p.add_argument("--rank", type=int, default=8, help="QLoRA's rank r (default 8)")
     p.add_argument("--sparsity", type=float, default=0.9)
