@@ -386,8 +386,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_result(res: dict, out_md: Path) -> None:
-    """The table and the json beside it (quality_smollm2's ``write_table_and_json``)."""
+def write_result(res: dict, out_md: Path, started: float | None = None) -> None:
+    """The table and the json beside it (quality_smollm2's ``write_table_and_json``), with
+    ``res["comparisons"]`` made from its arms and, given ``started`` (a
+    ``time.perf_counter()``), ``res["wall_s"]`` the time since."""
+    if started is not None:
+        res["wall_s"] = time.perf_counter() - started
+    res["comparisons"] = comparisons(res["arms"])
     _q.write_table_and_json(out_md, markdown(res), res)
 
 
@@ -455,11 +460,6 @@ def main(argv=None) -> dict:
     )  # fmt: skip
     print(f"teacher: {res['teacher']} ({time.perf_counter() - t:.0f} s)", flush=True)
 
-    def write():
-        res["wall_s"] = time.perf_counter() - t0
-        res["comparisons"] = comparisons(res["arms"])
-        write_result(res, out_md)
-
     def run(arm, lr, seed):
         run_dir = work / f"run_{arm['key']}_{lr:.3e}_{seed}"
         cfg = recipe_config(arm, lr, seed, run_dir, ckpt, size, args.device, args.dtype)
@@ -478,19 +478,15 @@ def main(argv=None) -> dict:
               f"{timing['eval_s']} s, all {time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
         return r
 
-    try:
-        by_key = {a["key"]: a for a in ARMS}
-        for key in chosen:
-            arm, seeds = by_key[key], list(range(size["seeds"]))
-            sw, best, at_edge, test = _q.arm_runs(arm, size, seeds, run)
-            res["arms"].append(summarize(arm, sw, best, at_edge, test, seeds,
-                                         res["teacher"]["test"]["perplexity"],
-                                         res["nf4"]["test"]["perplexity"],
-                                         res["nf4"]["test"].get("kl")))  # fmt: skip
-            write()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    write()
+    def record(arm, sw, best, at_edge, test):  # res["nf4"] is scored by the first run
+        res["arms"].append(summarize(arm, sw, best, at_edge, test, seeds,
+                                     res["teacher"]["test"]["perplexity"],
+                                     res["nf4"]["test"]["perplexity"],
+                                     res["nf4"]["test"].get("kl")))  # fmt: skip
+
+    by_key, seeds = {a["key"]: a for a in ARMS}, list(range(size["seeds"]))
+    _q.run_arms([by_key[k] for k in chosen], size, seeds, run,
+                lambda: write_result(res, out_md, t0), work, record)
     print(markdown(res))
     print(f"Wrote {out_md} and {out_md.with_suffix('.json')}")
     return res

@@ -510,8 +510,27 @@ def arm_runs(arm: dict, size: dict, seeds: list, run) -> tuple:
     return sw, best, at_edge, [sw[best]["test"]] + [run(arm, best, s)["test"] for s in seeds[1:]]
 
 
-def write_result(res: dict, out_md: Path) -> None:
-    """The table and the json beside it (:func:`write_table_and_json`)."""
+def run_arms(arms: list, size: dict, seeds: list, run, write, work: Path, record) -> None:
+    """Each arm of ``arms`` in turn through :func:`arm_runs`, its ``(arm, sweep, best lr, at an
+    edge, test scores)`` handed to ``record``, then ``write()`` (so a stopped run keeps the arms
+    it finished); ``work``, the runs' scratch directory, is removed at the end, also on an
+    error."""
+    try:
+        for arm in arms:
+            record(arm, *arm_runs(arm, size, seeds, run))
+            write()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write()
+
+
+def write_result(res: dict, out_md: Path, started: float | None = None) -> None:
+    """The table and the json beside it (:func:`write_table_and_json`), with
+    ``res["comparisons"]`` made from its arms and, given ``started`` (a
+    ``time.perf_counter()``), ``res["wall_s"]`` the time since."""
+    if started is not None:
+        res["wall_s"] = time.perf_counter() - started
+    res["comparisons"] = comparisons(res["arms"])
     write_table_and_json(out_md, markdown(res), res)
 
 
@@ -599,6 +618,7 @@ def main(argv=None) -> dict:
         p.error(f"--steps x --batch is {size['steps'] * size['batch']}, over the {n_train} "
                 "training samples (one epoch)")  # fmt: skip
 
+    by_key = {a["key"]: a for a in arms(args.sparsity, DTYPES[args.dtype])}
     work = Path(tempfile.mkdtemp(prefix="squash_quality_smollm2_"))
     res = dict(
         quick=args.quick, sparsity=args.sparsity, seeds=len(seed_list), steps=size["steps"],
@@ -607,11 +627,6 @@ def main(argv=None) -> dict:
         shapes=adapted_shapes(), machine=host(), checkpoint=str(ckpt), base=None, arms=[],
         comparisons=[], argv=list(argv if argv is not None else sys.argv[1:]),
     )  # fmt: skip
-
-    def write():
-        res["wall_s"] = time.perf_counter() - t0
-        res["comparisons"] = comparisons(res["arms"])
-        write_result(res, out_md)
 
     def run(arm, lr, seed):
         run_dir = work / f"run_{arm['key']}_{lr:.3e}_{seed}"
@@ -630,15 +645,9 @@ def main(argv=None) -> dict:
         print("  result " + json.dumps(dict(key=arm["key"], lr=lr, seed=seed, **r)), flush=True)
         return r
 
-    try:
-        by_key = {a["key"]: a for a in arms(args.sparsity, DTYPES[args.dtype])}
-        for key in chosen:
-            sw, best, at_edge, test = arm_runs(by_key[key], size, seed_list, run)
-            res["arms"].append(summarize(by_key[key], sw, best, at_edge, test, seeds=seed_list))
-            write()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    write()
+    run_arms([by_key[k] for k in chosen], size, seed_list, run,
+             lambda: write_result(res, out_md, t0), work,
+             lambda arm, *r: res["arms"].append(summarize(arm, *r, seeds=seed_list)))
     print(markdown(res))
     print(f"Wrote {out_md} and {out_md.with_suffix('.json')}")
     return res
