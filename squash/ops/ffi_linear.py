@@ -104,83 +104,58 @@ def _grad_values_fake(grad_out, x, indices):
 
 
 # ---- autograd -----------------------------------------------------------------------------------
-def _setup_context(ctx, inputs, output):
-    x, values, indices = inputs
-    ctx.in_features = x.shape[-1]
-    ctx.save_for_backward(
-        x if ctx.needs_input_grad[1] else None,
-        values if ctx.needs_input_grad[0] else None,
-        indices,
-    )
-
-
-def _backward(ctx, grad_out):
-    x, values, indices = ctx.saved_tensors
-    grad_x = grad_values = None
-    if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.squash.ffi_linear_grad_input(
-            grad_out, values, indices, ctx.in_features
-        )
-    if ctx.needs_input_grad[1]:
-        grad_values = torch.ops.squash.ffi_linear_grad_values(grad_out, x, indices)
-    return grad_x, grad_values, None
-
-
-torch.library.register_autograd("squash::ffi_linear", _backward, setup_context=_setup_context)
-
-
-# The backward ops are linear in each of their float inputs, and their own gradients are FFI ops
-# again, so double backward (e.g. a gradient penalty, Hessian-vector products) is exact:
+# Each op is bilinear in its first two (float) inputs, and the gradient with respect to either one
+# is an FFI op again, so one registration serves all three and double backward (e.g. a gradient
+# penalty, Hessian-vector products) is exact. With W the dense (out, in) weight, U the incoming
+# gradient:
+#   ffi_linear(x, v)  = x @ W^T    -> d/dx: U @ W = grad_input(U, v);    d/dv: grad_values(U, x)
 #   grad_input(g, v)  = g @ W      -> d/dg: U @ W^T = ffi_linear(U, v);  d/dv: grad_values(g, U)
 #   grad_values(g, x) = (g^T x)[W] -> d/dg: ffi_linear(x, U);            d/dx: grad_input(g, U)
-def _grad_input_setup_context(ctx, inputs, output):
-    grad_out, values, indices, _ = inputs
-    ctx.save_for_backward(
-        grad_out if ctx.needs_input_grad[1] else None,
-        values if ctx.needs_input_grad[0] else None,
-        indices,
-    )
+def _register_bilinear_autograd(op: str, grad_first, grad_second, in_features) -> None:
+    """Register ``op``'s autograd: ``grad_first(U, second, indices, in_features)`` and
+    ``grad_second(U, first, indices, in_features)`` give the gradients of its first two inputs
+    (each computed only when needed, each saving only the other input); ``in_features(inputs)``
+    reads the dense weight's width from the op's inputs. The remaining inputs get no gradient."""
+
+    def setup_context(ctx, inputs, output):
+        first, second, indices = inputs[:3]
+        ctx.in_features = in_features(inputs)
+        ctx.save_for_backward(
+            first if ctx.needs_input_grad[1] else None,
+            second if ctx.needs_input_grad[0] else None,
+            indices,
+        )
+
+    def backward(ctx, up):
+        first, second, indices = ctx.saved_tensors
+        d_first = d_second = None
+        if ctx.needs_input_grad[0]:
+            d_first = grad_first(up, second, indices, ctx.in_features)
+        if ctx.needs_input_grad[1]:
+            d_second = grad_second(up, first, indices, ctx.in_features)
+        return (d_first, d_second) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
 
 
-def _grad_input_backward(ctx, up):
-    grad_out, values, indices = ctx.saved_tensors
-    d_grad_out = d_values = None
-    if ctx.needs_input_grad[0]:
-        d_grad_out = torch.ops.squash.ffi_linear(up, values, indices)
-    if ctx.needs_input_grad[1]:
-        d_values = torch.ops.squash.ffi_linear_grad_values(grad_out, up, indices)
-    return d_grad_out, d_values, None, None
-
-
-torch.library.register_autograd(
-    "squash::ffi_linear_grad_input", _grad_input_backward, setup_context=_grad_input_setup_context
+_ops = torch.ops.squash
+_register_bilinear_autograd(  # (x, values, indices)
+    "squash::ffi_linear",
+    grad_first=lambda up, values, idx, n: _ops.ffi_linear_grad_input(up, values, idx, n),
+    grad_second=lambda up, x, idx, n: _ops.ffi_linear_grad_values(up, x, idx),
+    in_features=lambda inputs: inputs[0].shape[-1],
 )
-
-
-def _grad_values_setup_context(ctx, inputs, output):
-    grad_out, x, indices = inputs
-    ctx.in_features = x.shape[-1]
-    ctx.save_for_backward(
-        grad_out if ctx.needs_input_grad[1] else None,
-        x if ctx.needs_input_grad[0] else None,
-        indices,
-    )
-
-
-def _grad_values_backward(ctx, up):
-    grad_out, x, indices = ctx.saved_tensors
-    d_grad_out = d_x = None
-    if ctx.needs_input_grad[0]:
-        d_grad_out = torch.ops.squash.ffi_linear(x, up, indices)
-    if ctx.needs_input_grad[1]:
-        d_x = torch.ops.squash.ffi_linear_grad_input(grad_out, up, indices, ctx.in_features)
-    return d_grad_out, d_x, None
-
-
-torch.library.register_autograd(
+_register_bilinear_autograd(  # (grad_out, values, indices, in_features)
+    "squash::ffi_linear_grad_input",
+    grad_first=lambda up, values, idx, n: _ops.ffi_linear(up, values, idx),
+    grad_second=lambda up, grad_out, idx, n: _ops.ffi_linear_grad_values(grad_out, up, idx),
+    in_features=lambda inputs: inputs[3],
+)
+_register_bilinear_autograd(  # (grad_out, x, indices)
     "squash::ffi_linear_grad_values",
-    _grad_values_backward,
-    setup_context=_grad_values_setup_context,
+    grad_first=lambda up, x, idx, n: _ops.ffi_linear(x, up, idx),
+    grad_second=lambda up, grad_out, idx, n: _ops.ffi_linear_grad_input(grad_out, up, idx, n),
+    in_features=lambda inputs: inputs[1].shape[-1],
 )
 
 
