@@ -387,13 +387,8 @@ def markdown(res: dict) -> str:
 
 
 def write_result(res: dict, out_md: Path, started: float | None = None) -> None:
-    """The table and the json beside it (quality_smollm2's ``write_table_and_json``), with
-    ``res["comparisons"]`` made from its arms and, given ``started`` (a
-    ``time.perf_counter()``), ``res["wall_s"]`` the time since."""
-    if started is not None:
-        res["wall_s"] = time.perf_counter() - started
-    res["comparisons"] = comparisons(res["arms"])
-    _q.write_table_and_json(out_md, markdown(res), res)
+    """quality_smollm2's ``write_table_and_json`` with this script's table and comparisons."""
+    _q.write_table_and_json(out_md, res, markdown, comparisons, started)
 
 
 # ---- main -----------------------------------------------------------------------------------

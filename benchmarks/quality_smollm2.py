@@ -479,11 +479,15 @@ def _seeds_after_sweep(a: dict, path) -> dict:
                 test_em=a["test_em"][1:])
 
 
-def write_table_and_json(out_md: Path, table: str, res: dict) -> None:
-    """``table`` at ``out_md`` and ``res`` as json beside it, each written to a temporary file
-    and renamed."""
+def write_table_and_json(out_md: Path, res: dict, markdown, comparisons, started=None) -> None:
+    """``markdown(res)`` at ``out_md`` and ``res`` as json beside it, each written to a temporary
+    file and renamed; first ``res["comparisons"]`` is made from its arms by ``comparisons`` and,
+    given ``started`` (a ``time.perf_counter()``), ``res["wall_s"]`` is the time since."""
+    if started is not None:
+        res["wall_s"] = time.perf_counter() - started
+    res["comparisons"] = comparisons(res["arms"])
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out_md, table),
+    for path, text in ((out_md, markdown(res)),
                        (out_md.with_suffix(".json"), json.dumps(res, indent=1))):  # fmt: skip
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
@@ -525,13 +529,8 @@ def run_arms(arms: list, size: dict, seeds: list, run, write, work: Path, record
 
 
 def write_result(res: dict, out_md: Path, started: float | None = None) -> None:
-    """The table and the json beside it (:func:`write_table_and_json`), with
-    ``res["comparisons"]`` made from its arms and, given ``started`` (a
-    ``time.perf_counter()``), ``res["wall_s"]`` the time since."""
-    if started is not None:
-        res["wall_s"] = time.perf_counter() - started
-    res["comparisons"] = comparisons(res["arms"])
-    write_table_and_json(out_md, markdown(res), res)
+    """:func:`write_table_and_json` with this script's table and comparisons."""
+    write_table_and_json(out_md, res, markdown, comparisons, started)
 
 
 def sized_run(p, args, size: dict, keys, arm_keys) -> dict:
