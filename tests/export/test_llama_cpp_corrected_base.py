@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.export import test_llama_cpp as ref  # skips this module where llama.cpp cannot load
-from tests.export.llama_cpp_model import LlamaCppModel  # noqa: E402
+from tests.export.llama_cpp_model import LlamaCppModel
 
 upstream_warnings = ref.upstream_warnings  # the fixture, under its name here
 pytestmark = [pytest.mark.gguf_check, pytest.mark.smollm2, pytest.mark.slow]
@@ -111,13 +111,14 @@ def test_llama_cpp_runs_the_corrected_base_nearer_the_float_model(
     from transformers import AutoTokenizer
 
     warnings, _ = upstream_warnings
-    ref.check_in_llama_cpp(files["corrected"], smollm2_checkpoint, ref.TEXT, "f16", 32,
-                       allowed_warnings=warnings)  # fmt: skip
+    measured = ref.check_in_llama_cpp(files["corrected"], smollm2_checkpoint, ref.TEXT, "f16", 32,
+                                      allowed_warnings=warnings)  # fmt: skip
     ids = AutoTokenizer.from_pretrained(str(smollm2_checkpoint))(
         ref.TEXT, add_special_tokens=False
     ).input_ids
-    ppl = {}
-    for name in ("float", "nf4", "corrected"):
+    assert measured["positions"] == len(ids)  # the same tokens scored
+    ppl = {"corrected": measured["ppl_llama_cpp"]}
+    for name in ("float", "nf4"):
         llm = LlamaCppModel(files[name])
         try:
             ppl[name] = math.exp(ref._nll(llm.logits(ids), ids))
