@@ -35,7 +35,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPT_350M = dict(_OPT_SIZES["350m"])
 
 
-def model_script(argv: list, doc: str, models: dict):
+def model_script(argv: list | None, doc: str, models: dict):
     """One script for every model behind ``--model`` (``quality.py``, ``distill.py``: the SmolLM2
     runs live in a sibling module).
 

@@ -479,7 +479,9 @@ def _seeds_after_sweep(a: dict, path) -> dict:
                 test_em=a["test_em"][1:])
 
 
-def write_table_and_json(out_md: Path, res: dict, markdown, comparisons, started=None) -> None:
+def write_table_and_json(
+    out_md: Path, res: dict, markdown, comparisons, started: float | None = None
+) -> None:
     """``markdown(res)`` at ``out_md`` and ``res`` as json beside it, each written to a temporary
     file and renamed; first ``res["comparisons"]`` is made from its arms by ``comparisons`` and,
     given ``started`` (a ``time.perf_counter()``), ``res["wall_s"]`` is the time since."""
