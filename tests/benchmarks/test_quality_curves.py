@@ -1,8 +1,8 @@
-"""benchmarks/quality_curves.py against independent computations: the sweep's widening and the
-queue's order worked by hand, exact match against greedy decoding, loss by hand, Welch's t
-against scipy, the report's means and spreads against the per-seed values; and (smollm2, slow)
-a ``--quick`` run of every stage whose final points equal a direct evaluation of the saved
-adapters by another scorer and by greedy decoding."""
+"""benchmarks/quality_curves.py and its ``_plan`` and ``_report`` modules against independent
+computations: the sweep's widening and the queue's order worked by hand, exact match against
+greedy decoding, loss by hand, Welch's t against scipy, the report's means and spreads against
+the per-seed values; and (smollm2, slow) a ``--quick`` run of every stage whose final points
+equal a direct evaluation of the saved adapters by another scorer and by greedy decoding."""
 
 import json
 import math
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import quality_curves as qc
+import quality_curves_plan as qp
+import quality_curves_report as qr
 import torch
 from scipy import stats
 
@@ -29,8 +31,8 @@ def record(arm, lr, seed, val, test=(1.0, 0.0), frac=1.0, steps=200, losses=None
         step = steps * (i + 1) // len(pts)
         points.append({"step": step, "val": {"loss": val, "exact_match": 0.0},
                        "test": {"loss": lo, "exact_match": test[1]}})  # fmt: skip
-    arms = qc.arms(steps)
-    return {"id": qc.run_id(arm, lr, seed, frac), "arm": arms[arm], "lr": lr, "seed": seed,
+    arms = qp.arms(steps)
+    return {"id": qp.run_id(arm, lr, seed, frac), "arm": arms[arm], "lr": lr, "seed": seed,
             "frac": frac, "points": points, "done": True, "sessions": []}  # fmt: skip
 
 
@@ -41,50 +43,50 @@ def done_of(*recs):
 # ---- the queue ------------------------------------------------------------------------------
 def test_sweep_widens_past_an_edge_and_stops_inside():
     grid = [1e-3, 3e-3, 1e-2]
-    assert qc.sweep_state({}, "qlora_r16", grid) == (grid, None)
+    assert qp.sweep_state({}, "qlora_r16", grid) == (grid, None)
     # best at the high edge: widen to 3e-2
     d = done_of(*(record("qlora_r16", lr, 0, v) for lr, v in zip(grid, [1.3, 1.2, 1.1])))
-    assert qc.sweep_state(d, "qlora_r16", grid) == ([3e-2], None)
+    assert qp.sweep_state(d, "qlora_r16", grid) == ([3e-2], None)
     # 3e-2 worse: 1e-2 is inside the grid now
     d.update(done_of(record("qlora_r16", 3e-2, 0, 1.15)))
-    assert qc.sweep_state(d, "qlora_r16", grid) == ([], 1e-2)
+    assert qp.sweep_state(d, "qlora_r16", grid) == ([], 1e-2)
     # best at the low edge twice: widened twice (1e-4 is two ladder steps down), then stops
     d = done_of(*(record("squash", lr, 0, v) for lr, v in zip(grid, [1.0, 1.2, 1.3])))
-    assert qc.sweep_state(d, "squash", grid) == ([3e-4], None)
+    assert qp.sweep_state(d, "squash", grid) == ([3e-4], None)
     d.update(done_of(record("squash", 3e-4, 0, 0.9)))
-    assert qc.sweep_state(d, "squash", grid) == ([1e-4], None)
+    assert qp.sweep_state(d, "squash", grid) == ([1e-4], None)
     d.update(done_of(record("squash", 1e-4, 0, 0.8)))
-    assert qc.sweep_state(d, "squash", grid) == ([], 1e-4)  # still at the edge: max_widen spent
+    assert qp.sweep_state(d, "squash", grid) == ([], 1e-4)  # still at the edge: max_widen spent
 
 
 def test_plan_orders_the_stages():
-    grid = qc.FIRST_GRID
-    p = qc.plan("unicode", {})
+    grid = qp.FIRST_GRID
+    p = qp.plan("unicode", {})
     assert [q[0] for q in p] == sorted(q[0] for q in p)  # stages in order
     assert [(q[2], q[3]) for q in p if q[0] == 0] == [
         (a, lr) for lr in grid for a in ("qlora_r16", "squash")]  # interleaved sweeps
     assert {q[0] for q in p} == {0, 2}  # no seeds, quarter data or levers before a best lr
     d = done_of(*(record(a, lr, 0, v) for a in ("qlora_r16", "squash")
                   for lr, v in zip(grid, [1.2, 1.1, 1.3])))  # fmt: skip
-    p = qc.plan("unicode", d)
+    p = qp.plan("unicode", d)
     seeds = [(q[2], q[3], q[4]) for q in p if q[0] == 1]
     assert seeds == [("qlora_r16", 3e-3, 1), ("qlora_r16", 3e-3, 2), ("squash", 3e-3, 1),
                      ("squash", 3e-3, 2)]  # fmt: skip
     quarter = [(q[2], q[4], q[5]) for q in p if q[0] == 3]
     assert quarter == [(a, s, 0.25) for a in ("qlora_r16", "squash") for s in (0, 1, 2)]
-    assert [q[2] for q in p if q[0] == 4] == qc.LEVERS and {q[3] for q in p if q[0] == 4} == {3e-3}
-    assert not [q for q in qc.plan("pydocs", d) if q[0] == 4]  # levers on the first task only
+    assert [q[2] for q in p if q[0] == 4] == qp.LEVERS and {q[3] for q in p if q[0] == 4} == {3e-3}
+    assert not [q for q in qp.plan("pydocs", d) if q[0] == 4]  # levers on the first task only
     bases = [(q[2], q[3], q[4]) for q in p if q[0] == 5]  # every seed, at the method's best lr,
-    assert bases == [(a, 3e-3, s) for s in (0, 1, 2) for a in qc.BASES]  # seed by seed
-    assert not [q for q in qc.plan("pydocs", d) if q[0] == 5]
+    assert bases == [(a, 3e-3, s) for s in (0, 1, 2) for a in qp.BASES]  # seed by seed
+    assert not [q for q in qp.plan("pydocs", d) if q[0] == 5]
 
 
 def test_base_arms_change_only_the_base():
-    a = qc.arms(200)
-    size = dict(qc.FULL)
+    a = qp.arms(200)
+    size = dict(qp.FULL)
 
     def model(key):
-        return qc.recipe_config("unicode", a[key], 1e-3, 0, 1.0, Path("/x"), Path("/c"), size,
+        return qp.recipe_config("unicode", a[key], 1e-3, 0, 1.0, Path("/x"), Path("/c"), size,
                                 885, "cpu", "fp32", False)["model"]  # fmt: skip
 
     for method in ("qlora_r16", "squash"):
@@ -101,14 +103,14 @@ def test_base_bytes_by_hand():
     bytes; the outliers add, per layer, out x k x (2-byte value + 2-byte index) with
     k = round(1% of in_features): 6 for the six 576-wide inputs, 15 for w2's 1536."""
     layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
-    assert qc.base_bytes("qlora_r16_fp32") == 4 * (49152 * 576 + 30 * layer + 576)
+    assert qr.base_bytes("qlora_r16_fp32") == 4 * (49152 * 576 + 30 * layer + 576)
     s_layer = 4 * (6 * (576 + 192 + 192 + 576 + 1536 + 1536) + 15 * 576)
-    assert qc.base_bytes("squash_outliers") - qc.base_bytes("squash") == 30 * s_layer
-    assert qc.base_bytes("qlora_r16") == qc.base_bytes("squash")  # the same NF4 base
+    assert qr.base_bytes("squash_outliers") - qr.base_bytes("squash") == 30 * s_layer
+    assert qr.base_bytes("qlora_r16") == qr.base_bytes("squash")  # the same NF4 base
 
 
 def test_arms_at_equal_memory():
-    a = qc.arms(200)
+    a = qp.arms(200)
     assert (a["squash"]["rank"], a["squash_a"]["rank"], a["lora_dense"]["rank"]) == (143, 28, 143)
     for key, arm in a.items():  # every squash arm within QLoRA r=16's bytes
         if arm.get("sparsity") is not None:
@@ -119,11 +121,11 @@ def test_arms_at_equal_memory():
 
 
 def test_config_epochs_cover_the_steps():
-    arm = qc.arms(200)["squash"]
-    size = dict(qc.FULL)
+    arm = qp.arms(200)["squash"]
+    size = dict(qp.FULL)
     for n_train, frac, epochs, per in ((885, 1.0, 2, 100), (885, 0.25, 8, 25), (824, 1.0, 2, 100),
                                        (824, 0.25, 8, 25)):  # fmt: skip
-        cfg = qc.recipe_config("unicode", arm, 1e-3, 0, frac, Path("/x"), Path("/c"), size, n_train,
+        cfg = qp.recipe_config("unicode", arm, 1e-3, 0, frac, Path("/x"), Path("/c"), size, n_train,
                                "cpu", "fp32", False)  # fmt: skip
         assert (cfg["epochs"], cfg["max_steps_per_epoch"]) == (epochs, per)
         assert cfg["dataset"].get("max_samples") == (None if frac == 1 else round(n_train / 4))
@@ -191,20 +193,20 @@ def test_loss_against_float64_at_a_real_vocabulary():
 
 def test_welch_against_scipy():
     a, b = [1.71, 1.75, 1.69], [1.73, 1.78, 1.81]
-    w = qc.welch(a, b)
+    w = qr.welch(a, b)
     ref = stats.ttest_ind(a, b, equal_var=False)
     assert w["t"] == pytest.approx(ref.statistic) and w["p"] == pytest.approx(ref.pvalue)
-    assert math.isnan(qc.welch([1.0], b)["t"]) and math.isnan(qc.welch([1.0, 1.0], [2.0, 2.0])["t"])
+    assert math.isnan(qr.welch([1.0], b)["t"]) and math.isnan(qr.welch([1.0, 1.0], [2.0, 2.0])["t"])
 
 
 def test_report_numbers_from_per_seed_values(tmp_path):
-    grid = qc.FIRST_GRID
+    grid = qp.FIRST_GRID
     recs = [record("qlora_r16", lr, 0, v, (t, 0.1)) for lr, v, t in
             zip(grid, [1.2, 1.1, 1.3], [1.5, 1.4, 1.6])]  # fmt: skip
     recs += [record("qlora_r16", 3e-3, s, 9.0, (t, e)) for s, t, e in ((1, 1.45, 0.2), (2, 1.38, 0.3))]
     recs += [record("squash", 3e-3, s, 1.0, (t, e)) for s, t, e in
              ((0, 1.30, 0.3), (1, 1.33, 0.25), (2, 1.28, 0.4))]  # fmt: skip
-    text, groups = qc.task_report("unicode", recs, dict(qc.FULL))
+    text, groups = qr.task_report("unicode", recs, dict(qp.FULL))
     q, sq = groups[("qlora_r16", 1.0)], groups[("squash", 1.0)]
     assert q["best"] == 3e-3 and [r["seed"] for r in q["seeds"]] == [0, 1, 2]
     row = next(line for line in text if line.startswith("| squash r=143"))
@@ -234,8 +236,8 @@ def test_report_at_each_seeds_best_validation_point():
          rec("qlora_r16", 1, [3.0, 2.0, 1.0, 1.0, 2.0], [3.0, 1.6, 1.45, 1.2, 1.9])]
     sq = [rec("squash", 0, [0.5, 2.0, 2.0, 2.0, 1.0], [1.0, 1.5, 1.7, 1.8, 1.4]),
           rec("squash", 1, [3.0, 2.0, 2.0, 0.9, 0.95], [3.0, 1.6, 1.45, 1.3, 1.2])]
-    assert [qc.best_point(r)["step"] for r in q + sq] == [50, 100, 200, 150]  # step 0 never kept
-    text, _ = qc.task_report("unicode", q + sq, dict(qc.FULL))
+    assert [qr.best_point(r)["step"] for r in q + sq] == [50, 100, 200, 150]  # step 0 never kept
+    text, _ = qr.task_report("unicode", q + sq, dict(qp.FULL))
     i = text.index(next(line for line in text if line.startswith("At each seed's best")))
     row = next(line for line in text[i:] if line.startswith("| squash r=143"))
     assert "| 200, 150 |" in row and f"{statistics.fmean([1.4, 1.3]):.3f} +/- " in row
@@ -248,13 +250,13 @@ def test_report_at_each_seeds_best_validation_point():
 def test_report_base_section_by_hand(monkeypatch):
     """Each method on NF4, NF4 + outliers and fp32: means, Welch's t against the same method on
     NF4 (scipy) and the gap closed worked by hand; the base arms stay out of the main table."""
-    monkeypatch.setattr(qc, "base_bytes", lambda key: {"fp32": 8, "outliers": 5}.get(
+    monkeypatch.setattr(qr, "base_bytes", lambda key: {"fp32": 8, "outliers": 5}.get(
         key.rsplit("_", 1)[-1], 4) * 1024**2)  # fmt: skip
     nf4, out, fp32 = [1.30, 1.34, 1.32], [1.20, 1.26, 1.22], [1.10, 1.12, 1.14]
     recs = [record("qlora_r16", 3e-3, i, 1.0, (t, 0.1)) for i, t in enumerate(nf4)]
     recs += [record("qlora_r16_outliers", 3e-3, i, 1.0, (t, 0.2)) for i, t in enumerate(out)]
     recs += [record("qlora_r16_fp32", 3e-3, i, 1.0, (t, 0.3)) for i, t in enumerate(fp32)]
-    text, _ = qc.task_report("unicode", recs, dict(qc.FULL))
+    text, _ = qr.task_report("unicode", recs, dict(qp.FULL))
     i = text.index(next(line for line in text if line.startswith("The base under the fine-tune")))
     assert not [line for line in text[:i] if "outliers" in line or "fp32 base" in line]
     row = next(line for line in text[i:] if "| NF4 + 1% outliers |" in line)
@@ -263,7 +265,7 @@ def test_report_base_section_by_hand(monkeypatch):
     ref = stats.ttest_ind(out, nf4, equal_var=False)
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[:5] == ["QLoRA r=16", "NF4 + 1% outliers", "5.0",
-                         f"{qc.arms(200)['qlora_r16']['adapter_bytes'] / 1024**2:.1f}", "3"]
+                         f"{qp.arms(200)['qlora_r16']['adapter_bytes'] / 1024**2:.1f}", "3"]
     assert cells[5] == f"{statistics.fmean(out):.3f} +/- {statistics.stdev(out):.3f}"
     assert cells[7].startswith(f"{ref.statistic:+.2f}") and cells[8] == f"{gap:.0%}" == "47%"  # 0.0933 / 0.2
     nrow = next(line for line in text[i:] if "| NF4 |" in line)
@@ -284,7 +286,7 @@ def test_report_writes_a_png_per_task_and_copies_it_to_png_dir(tmp_path):
              ((0, 1.30, 0.3), (1, 1.33, 0.25))]  # fmt: skip
     for r in recs:
         (res / "unicode" / f"{r['id']}.json").write_text(json.dumps(r))
-    text = qc.report(res, ["unicode"], dict(qc.FULL, steps=200), png_dir=tmp_path / "docs")
+    text = qr.report(res, ["unicode"], dict(qp.FULL, steps=200), png_dir=tmp_path / "docs")
     assert "![unicode](unicode.png)" in text
     png = (res / "unicode.png").read_bytes()
     assert len(png) > 10_000 and (tmp_path / "docs" / "quality_curves_unicode.png").read_bytes() == png
@@ -304,12 +306,12 @@ def test_quick_run_of_every_stage(smollm2_checkpoint, tmp_path):
     proc = subprocess.run(cmd + ["--tasks", "pydocs", "--max-runs", "1"], capture_output=True,
                           text=True, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    size = dict(qc.QUICK)
-    done = qc.load_done(res / "unicode", size["steps"])
-    assert not [q for q in qc.plan("unicode", done, quick=True) if q[1] not in done]  # all ran
+    size = dict(qp.QUICK)
+    done = qp.load_done(res / "unicode", size["steps"])
+    assert not [q for q in qp.plan("unicode", done, quick=True) if q[1] not in done]  # all ran
     stages = {r["arm"]["key"] for r in done.values()}
-    assert set(qc.QUICK_LEVERS) <= stages and {"squash_a", "lora_dense"} <= stages
-    assert set(qc.QUICK_BASES) <= stages  # an fp32 base and a corrected one through the recipe
+    assert set(qp.QUICK_LEVERS) <= stages and {"squash_a", "lora_dense"} <= stages
+    assert set(qp.QUICK_BASES) <= stages  # an fp32 base and a corrected one through the recipe
     assert any(r["frac"] == 0.25 for r in done.values())
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "quality_curves.py"),
                            "report", "--quick", "--results", str(res)], capture_output=True,
@@ -319,10 +321,10 @@ def test_quick_run_of_every_stage(smollm2_checkpoint, tmp_path):
 
     # the last point of a run equals a direct evaluation of its saved adapter
     for task, arm in (("unicode", "squash"), ("pydocs", "qlora_r16")):
-        rec = next(r for r in qc.load_records(res / task) if r["arm"]["key"] == arm)
+        rec = next(r for r in qp.load_records(res / task) if r["arm"]["key"] == arm)
         direct = evaluate_saved(task, rec, work / "runs" / task / rec["id"], smollm2_checkpoint,
                                 size)  # fmt: skip
-        last = qc.final(rec)["test"]
+        last = qp.final(rec)["test"]
         assert direct["loss"] == pytest.approx(last["loss"], rel=1e-5)
         assert direct["exact_match"] == last["exact_match"]
 
@@ -338,7 +340,7 @@ def evaluate_saved(task, rec, run_dir, ckpt, size):
     from squash.training.checkpoint import latest_checkpoint, load_adapter_into, load_squash_adapter
     from squash.training.model_setup import setup_frozen_model
 
-    cfg = qc.recipe_config(task, rec["arm"], rec["lr"], rec["seed"], rec["frac"], run_dir, ckpt,
+    cfg = qp.recipe_config(task, rec["arm"], rec["lr"], rec["seed"], rec["frac"], run_dir, ckpt,
                            size, 10, "cpu", "fp32", False)  # fmt: skip
     base = training.FullModelHFCheckpointer(str(ckpt), ["model.safetensors"], "LLAMA3_2",
                                             str(run_dir / "unused"))  # fmt: skip
@@ -348,7 +350,7 @@ def evaluate_saved(task, rec, run_dir, ckpt, size):
                                dtype=torch.float32)  # fmt: skip
     path = latest_checkpoint(run_dir)
     load_adapter_into(model, load_squash_adapter(path), path)
-    tok = smollm2_tokenizer(str(ckpt), max_seq_len=qc.TASKS[task]["max_seq_len"])
+    tok = smollm2_tokenizer(str(ckpt), max_seq_len=qp.TASKS[task]["max_seq_len"])
     samples = qc.load_split(task, tok, "test", size["n_test"])
     if task == "unicode":
         import quality_smollm2 as qs
