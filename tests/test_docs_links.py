@@ -9,9 +9,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "CHANGELOG.md", "benchmarks/README.md", *sorted(
     str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))]
-# Written by `python benchmarks/quality_curves.py report --png-dir docs/benchmarks` from the run
-# files of the learning-curve runs; absent until those are reported.
-GENERATED: set = set()
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -34,9 +31,6 @@ def test_relative_links_resolve(page):
             continue
         path, _, frag = target.partition("#")
         dest = (src.parent / path).resolve() if path else src
-        rel = str(dest.relative_to(REPO)) if dest.is_relative_to(REPO) else str(dest)
-        if rel in GENERATED:
-            continue
         if not dest.exists():
             bad.append(f"{target}: no such file")
         elif frag and dest.suffix == ".md" and frag not in _anchors(dest):
