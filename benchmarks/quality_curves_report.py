@@ -192,7 +192,7 @@ def base_report(g: dict, size: dict) -> list:
 def plot(path: Path, groups: dict, task: str) -> None:
     """Test loss and exact match against step, one line per arm (mean over seeds) with the
     seeds' range shaded; full data solid, a quarter dashed."""
-    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 5))
     colors = {"qlora_r16": "tab:blue", "squash": "tab:red", "squash_a": "tab:orange",
               "lora_dense": "tab:gray"}  # fmt: skip
     for (key, frac), row in sorted(groups.items()):
@@ -202,13 +202,15 @@ def plot(path: Path, groups: dict, task: str) -> None:
         for ax, metric in zip(axes, ("loss", "exact_match")):
             x, m, lo, hi = curve(row["seeds"], "test", metric)
             ls = "-" if frac == 1.0 else "--"
-            ax.plot(x, m, ls, color=colors[key], label=f"{label} ({len(row['seeds'])} seeds)")
+            n = len(row["seeds"])
+            ax.plot(x, m, ls, color=colors[key], label=f"{label} ({n} seed{'s' * (n != 1)})")
             ax.fill_between(x, lo, hi, color=colors[key], alpha=0.15)
     axes[0].set(xlabel="step (batch 8)", ylabel="test loss per answer token", yscale="log")
     axes[1].set(xlabel="step (batch 8)", ylabel="test exact match")
-    axes[0].legend(fontsize=7)
+    # below both panels, where it hides no curve
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
     fig.suptitle(f"SmolLM2-135M-Instruct, task {task}: QLoRA r=16 against squash at equal memory")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05 + 0.035 * math.ceil(len(fig.legends[0].texts) / 2), 1, 1))
     save_png(fig, path)
 
 
