@@ -194,19 +194,19 @@ def final(record: dict) -> dict:
     return record["points"][-1]
 
 
-def load_done(task_dir: Path, steps: int) -> dict:
-    """Finished runs of a task: run id -> record (a record with a point at ``steps``)."""
-    out = {}
-    for path in sorted(task_dir.glob("*.json")):
-        rec = json.loads(path.read_text())
-        if rec.get("done") and rec["points"] and rec["points"][-1]["step"] == steps:
-            out[rec["id"]] = rec
-    return out
+def finished(record: dict, steps: int) -> bool:
+    """Whether a run is done with its last point at ``steps``."""
+    return bool(record.get("done") and record["points"] and final(record)["step"] == steps)
 
 
 def load_records(task_dir: Path) -> list:
     """Every run file of a task, finished or not, in name order."""
     return [json.loads(p.read_text()) for p in sorted(task_dir.glob("*.json"))]
+
+
+def load_done(task_dir: Path, steps: int) -> dict:
+    """Finished runs of a task: run id -> record (a record with a point at ``steps``)."""
+    return {rec["id"]: rec for rec in load_records(task_dir) if finished(rec, steps)}
 
 
 # ---- a run's recipe config ----------------------------------------------------------------------

@@ -15,7 +15,9 @@ from omegaconf import OmegaConf
 from squash.training.memory import base_memory
 
 from common import has_matplotlib, mean_std, pyplot, save_png, welch
-from quality_curves_plan import BASES, FULL, LEVERS, ROOT, arms, final, load_records, recipe_config
+from quality_curves_plan import (
+    BASES, FULL, LEVERS, ROOT, arms, final, finished, load_records, recipe_config,
+)
 
 
 def rows(records: list, steps: int) -> dict:
@@ -24,7 +26,7 @@ def rows(records: list, steps: int) -> dict:
     validation loss (for a row that was not swept, its one lr)."""
     out = {}
     for r in records:
-        if r.get("done") and r["points"][-1]["step"] == steps:
+        if finished(r, steps):
             g = out.setdefault((r["arm"]["key"], r["frac"]), {"by_lr": {}})
             g["by_lr"].setdefault(r["lr"], []).append(r)
     for g in out.values():
