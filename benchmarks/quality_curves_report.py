@@ -200,19 +200,21 @@ def plot(path: Path, groups: dict, task: str) -> None:
     for (key, frac), row in sorted(groups.items()):
         if key not in colors:
             continue
-        label = row["seeds"][0]["arm"]["name"] + ("" if frac == 1.0 else f", {frac:g} of the data")
+        n = len(row["seeds"])
+        label = (row["seeds"][0]["arm"]["name"] + ("" if frac == 1.0 else f", {frac:g} of the data")
+                 + f" ({n} seed{'s' * (n != 1)})")  # fmt: skip
+        ls = "-" if frac == 1.0 else "--"
         for ax, metric in zip(axes, ("loss", "exact_match")):
             x, m, lo, hi = curve(row["seeds"], "test", metric)
-            ls = "-" if frac == 1.0 else "--"
-            n = len(row["seeds"])
-            ax.plot(x, m, ls, color=colors[key], label=f"{label} ({n} seed{'s' * (n != 1)})")
+            ax.plot(x, m, ls, color=colors[key], label=label)
             ax.fill_between(x, lo, hi, color=colors[key], alpha=0.15)
     axes[0].set(xlabel="step (batch 8)", ylabel="test loss per answer token", yscale="log")
     axes[1].set(xlabel="step (batch 8)", ylabel="test exact match")
-    # below both panels, where it hides no curve
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+    # below both panels, where it hides no curve; two columns
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
     fig.suptitle(f"SmolLM2-135M-Instruct, task {task}: QLoRA r=16 against squash at equal memory")
-    fig.tight_layout(rect=(0, 0.05 + 0.035 * math.ceil(len(fig.legends[0].texts) / 2), 1, 1))
+    fig.tight_layout(rect=(0, 0.05 + 0.035 * math.ceil(len(labels) / 2), 1, 1))
     save_png(fig, path)
 
 
