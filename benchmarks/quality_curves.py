@@ -57,6 +57,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "quality_curves"
 WORK = Path.home() / ".cache" / "squash" / "quality_curves"
 DEFAULT_CKPT = Path.home() / ".cache" / "squash" / "smollm2-135m-instruct"
 IGNORE = CROSS_ENTROPY_IGNORE_IDX
+# samples per forward of the evaluation, by split (16 unless named): the frontier's general-text
+# windows (``forget``) are 256 tokens each
+EVAL_BATCH = {"forget": 4}
 
 
 class Claim:
@@ -185,7 +188,8 @@ def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: di
     def point(recipe, step):
         t = time.perf_counter()
         kw = dict(pad_id=recipe._tokenizer.pad_id, device=recipe._device)
-        p = dict(step=step, **{k: evaluate(recipe._model, v, **kw) for k, v in data.items()})
+        p = dict(step=step, **{k: evaluate(recipe._model, v, batch=EVAL_BATCH.get(k, 16), **kw)
+                               for k, v in data.items()})  # fmt: skip
         p.update(train_loss=statistics.fmean(train_losses) if train_losses else None,
                  eval_s=time.perf_counter() - t, wall_s=time.perf_counter() - t_start)
         train_losses.clear()

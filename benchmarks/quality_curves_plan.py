@@ -112,11 +112,12 @@ def run_id(arm: str, lr: float, seed: int, frac: float = 1.0) -> str:
     return f"{arm}_lr{lr:.0e}_s{seed}" + ("" if frac == 1.0 else f"_d{frac:g}")
 
 
-def sweep_state(done: dict, arm: str, grid=FIRST_GRID, max_widen=MAX_WIDEN) -> tuple:
+def sweep_state(done: dict, arm: str, grid=FIRST_GRID, max_widen=MAX_WIDEN,
+                ladder=LADDER) -> tuple:  # fmt: skip
     """``(lrs to run, best lr or None)`` of an arm's sweep from its finished seed-0 runs
-    (``done``: run id -> record). The grid is widened one ladder step past an edge that holds
-    the best final validation loss, at most ``max_widen`` times; ``best`` is set once no run
-    is left."""
+    (``done``: run id -> record). The grid is widened one ``ladder`` step past an edge that
+    holds the best final validation loss, at most ``max_widen`` times; ``best`` is set once no
+    run is left."""
     lrs = list(grid)
     for _ in range(max_widen + 1):
         missing = [lr for lr in lrs if run_id(arm, lr, 0) not in done]
@@ -125,9 +126,9 @@ def sweep_state(done: dict, arm: str, grid=FIRST_GRID, max_widen=MAX_WIDEN) -> t
         val = {lr: final(done[run_id(arm, lr, 0)])["val"]["loss"] for lr in lrs}
         best = min(lrs, key=lambda lr: (val[lr], lr))
         lo, hi = min(lrs), max(lrs)
-        i = LADDER.index(best)
-        nxt = LADDER[i - 1] if best == lo and i > 0 else LADDER[i + 1] if (
-            best == hi and i + 1 < len(LADDER)) else None  # fmt: skip
+        i = ladder.index(best)
+        nxt = ladder[i - 1] if best == lo and i > 0 else ladder[i + 1] if (
+            best == hi and i + 1 < len(ladder)) else None  # fmt: skip
         if nxt is None or len(lrs) >= len(grid) + max_widen:
             return [], best
         lrs.append(nxt)
