@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from common import host  # noqa: E402
 from frontier_plan import arms, plan  # noqa: E402
 from quality_curves import (  # noqa: E402
-    EVAL_BATCH, IGNORE, RESULTS as CURVES, WORK as CURVES_WORK, Claim, _n_train, evaluate,
-    load_split,
+    EVAL_BATCH, IGNORE, RESULTS as CURVES, WORK as CURVES_WORK, BestState, Claim, _n_train,
+    evaluate, load_split, score_point,
     run_one, write_json,
 )
 from quality_curves_plan import FULL, QUICK, TASKS, load_done, recipe_config, run_id  # noqa: E402
@@ -112,19 +112,12 @@ def run_full(task: str, arm: dict, lr: float, seed: int, *, size: dict, ckpt: Pa
     t_start = time.perf_counter()
     losses = []
 
+    best = BestState(model, run_dir / "best.pt", lambda n: n in dict(model.named_parameters()))
+
     def point(step):
-        t = time.perf_counter()
-        p = dict(step=step, **{k: evaluate(model, v, pad_id=tok.pad_id, device="cpu",
-                                           batch=EVAL_BATCH.get(k, 16))
-                               for k, v in data.items()})  # fmt: skip
-        p.update(train_loss=sum(losses) / len(losses) if losses else None,
-                 eval_s=time.perf_counter() - t, wall_s=time.perf_counter() - t_start)
-        losses.clear()
-        rec["points"] = [q for q in rec["points"] if q["step"] < step] + [p]
-        write_json(out, rec)
-        print(f"[{task} {rid}] step {step}: val {p['val']['loss']:.4f}/{p['val']['exact_match']:.3f}"
-              f" test {p['test']['loss']:.4f}/{p['test']['exact_match']:.3f} "
-              f"({p['wall_s']:.0f} s)", flush=True)  # fmt: skip
+        score_point(rec, out, best, step, lambda k, v: evaluate(
+            model, v, pad_id=tok.pad_id, device="cpu", batch=EVAL_BATCH.get(k, 16)), data,
+            size["steps"], losses, t_start, f"{task} {rid}")  # fmt: skip
 
     if not resume:
         point(0)

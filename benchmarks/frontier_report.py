@@ -37,6 +37,20 @@ def groups(done: dict, steps: int, by_key: dict) -> dict:
     return out
 
 
+def forget_at(rec: dict, point: dict) -> float:
+    """The general-text loss at ``point`` of ``rec``: scored there, or (``rec["best"]``) on the
+    kept state of the best validation point, which must be that point; None if neither."""
+    if "forget" in point:
+        return point["forget"]["loss"]
+    best = rec.get("best")
+    if best is None:
+        return None
+    if best["step"] != point["step"]:
+        raise ValueError(f"{rec['id']}: the general text was scored at step {best['step']}, the "
+                         f"best validation point is step {point['step']}")
+    return best["forget"]["loss"]
+
+
 def nf4_base(done: dict) -> dict:
     """Step 0 of an adapter run that recorded the general text: the frozen NF4 base (None
     before one)."""
@@ -55,14 +69,15 @@ def summary(g: dict, by_key: dict) -> dict:
     out = {}
     for key, row in g.items():
         pts = [best_point(r) for r in row["seeds"]]
+        forgets = [forget_at(r, p) for r, p in zip(row["seeds"], pts)]
         out[key] = dict(
             arm=by_key[key], lr=row["best"], sweep=row["sweep"],
             loss=[p["test"]["loss"] for p in pts], em=[p["test"]["exact_match"] for p in pts],
-            forget=[p["forget"]["loss"] for p in pts if "forget" in p],
+            forget=[f for f in forgets if f is not None],
             # the rise of each seed's general-text loss over its own step 0 (full fine-tuning
             # starts from the fp32 base, the adapters from NF4)
-            rise=[p["forget"]["loss"] - r["points"][0]["forget"]["loss"]
-                  for p, r in zip(pts, row["seeds"]) if "forget" in p],
+            rise=[f - r["points"][0]["forget"]["loss"]
+                  for f, r in zip(forgets, row["seeds"]) if f is not None],
             steps=[p["step"] for p in pts],
         )  # fmt: skip
     return out

@@ -60,6 +60,55 @@ IGNORE = CROSS_ENTROPY_IGNORE_IDX
 # samples per forward of the evaluation, by split (16 unless named): the frontier's general-text
 # windows (``forget``) are 256 tokens each
 EVAL_BATCH = {"forget": 4}
+# splits scored at step 0 and then once, at the end, on the state of the best validation point
+# (:class:`BestState`), not at every point
+LATE = ("forget",)
+
+
+class BestState:
+    """The trainable state of a run's best validation point so far (lowest validation loss
+    after step 0, the earliest of equals), kept in memory and in ``path`` so that a resumed run
+    still has it; at the end the :data:`LATE` splits are scored on it.
+
+    Args:
+        model: the model trained.
+        path (Path): where the state is kept between sessions.
+        names (Callable[[str], bool]): which parameters and buffers are the trainable state
+            (an adapter's ``.lora_`` tensors, FFI indices included; every parameter of a full
+            fine-tune).
+    """
+
+    def __init__(self, model, path: Path, names):
+        self.model, self.path = model, path
+        self.tensors = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
+                        if names(n)}  # fmt: skip
+        self.step, self.val, self.state = None, None, None
+        if path.exists():
+            saved = torch.load(path, weights_only=True)
+            self.step, self.val, self.state = saved["step"], saved["val"], saved["state"]
+
+    def consider(self, step: int, val: float) -> None:
+        """Keep the state at ``step`` if its validation loss ``val`` is the lowest yet."""
+        if step == 0 or (self.val is not None and val >= self.val):
+            return
+        self.step, self.val = step, val
+        self.state = {n: t.detach().clone() for n, t in self.tensors.items()}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save(dict(step=step, val=val, state=self.state), tmp)
+        tmp.replace(self.path)
+
+    @torch.no_grad()
+    def score(self, fn) -> dict:
+        """``{"step": best step, **fn()}`` with the best state loaded into the model (the
+        current state put back afterwards)."""
+        now = {n: t.detach().clone() for n, t in self.tensors.items()}
+        for n, t in self.tensors.items():
+            t.copy_(self.state[n])
+        try:
+            return dict(step=self.step, **fn())
+        finally:
+            for n, t in self.tensors.items():
+                t.copy_(now[n])
 
 
 class Claim:
@@ -160,6 +209,27 @@ def write_json(path: Path, obj: dict) -> None:
     write_text(path, json.dumps(obj, indent=1))
 
 
+def score_point(rec: dict, out: Path, best: BestState, step: int, evaluate_split, data: dict,
+                steps: int, train_losses: list, t_start: float, label: str) -> None:  # fmt: skip
+    """Score the point at ``step`` (every split but the :data:`LATE` ones, which only at step 0
+    and, at the last step, on the best validation point's state as ``rec["best"]``), append it
+    to ``rec`` and write ``rec`` to ``out``."""
+    t = time.perf_counter()
+    p = dict(step=step, **{k: evaluate_split(k, v) for k, v in data.items()
+                           if step == 0 or k not in LATE})  # fmt: skip
+    best.consider(step, p["val"]["loss"])
+    if step == steps and any(k in data for k in LATE):
+        rec["best"] = best.score(lambda: {k: evaluate_split(k, data[k]) for k in LATE if k in data})
+    p.update(train_loss=statistics.fmean(train_losses) if train_losses else None,
+             eval_s=time.perf_counter() - t, wall_s=time.perf_counter() - t_start)
+    train_losses.clear()
+    rec["points"] = [q for q in rec["points"] if q["step"] < step] + [p]
+    write_json(out, rec)
+    print(f"[{label}] step {step}: val {p['val']['loss']:.4f}/{p['val']['exact_match']:.3f}"
+          f" test {p['test']['loss']:.4f}/{p['test']['exact_match']:.3f} "
+          f"({p['wall_s']:.0f} s)", flush=True)  # fmt: skip
+
+
 def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: dict, ckpt: Path,
             out: Path, work: Path, data: dict, n_train: int, device: str, dtype: str,
             keep: bool = False) -> dict:  # fmt: skip
@@ -184,20 +254,15 @@ def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: di
                                          device, dtype, resume))  # fmt: skip
     train_losses = []
     t_start = time.perf_counter()
+    best = []  # the BestState, once the model is built
 
     def point(recipe, step):
-        t = time.perf_counter()
+        if not best:
+            best.append(BestState(recipe._model, run_dir / "best.pt", lambda n: ".lora_" in n))
         kw = dict(pad_id=recipe._tokenizer.pad_id, device=recipe._device)
-        p = dict(step=step, **{k: evaluate(recipe._model, v, batch=EVAL_BATCH.get(k, 16), **kw)
-                               for k, v in data.items()})  # fmt: skip
-        p.update(train_loss=statistics.fmean(train_losses) if train_losses else None,
-                 eval_s=time.perf_counter() - t, wall_s=time.perf_counter() - t_start)
-        train_losses.clear()
-        rec["points"] = [q for q in rec["points"] if q["step"] < step] + [p]
-        write_json(out, rec)
-        print(f"[{task} {rid}] step {step}: val {p['val']['loss']:.4f}/{p['val']['exact_match']:.3f}"
-              f" test {p['test']['loss']:.4f}/{p['test']['exact_match']:.3f} "
-              f"({p['wall_s']:.0f} s)", flush=True)  # fmt: skip
+        score_point(rec, out, best[0], step, lambda k, v: evaluate(
+            recipe._model, v, batch=EVAL_BATCH.get(k, 16), **kw), data, size["steps"],
+            train_losses, t_start, f"{task} {rid}")  # fmt: skip
 
     class CurveRecipe(SquashFinetuneRecipeSingleDevice):
         def save_checkpoint(self, epoch, name=None):
