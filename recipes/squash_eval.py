@@ -25,10 +25,10 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
 from squash.modules import get_adapter_modules
-from squash.training import checkpoint as ckpt
-from squash.training import run_lock
+from squash.runs import checkpoint as ckpt
+from squash.runs import run_lock
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line
 from squash.training import data
-from squash.training.entry import close_metric_logger, config_errors_in_one_line
 from squash.training.config_checks import (
     ConfigKeyError,
     check_component,

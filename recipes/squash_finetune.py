@@ -18,9 +18,10 @@ from tqdm import tqdm
 
 from squash.export import adapters, parse_export_config
 from squash.merge import export_checkpoint, missing_exports
-from squash.training import checkpoint as ckpt
-from squash.training import run_lock
-from squash.training import data, resume, steps
+from squash.runs import checkpoint as ckpt
+from squash.runs import resume, run_lock
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
+from squash.training import data, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -29,14 +30,9 @@ from squash.training.config_checks import (
     check_values,
     get_int,
 )
+from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
 from squash.training.model_setup import assemble_adapter_model, load_base
-from squash.training.heldout import setup_heldout
-from squash.training.entry import (
-    close_metric_logger,
-    config_errors_in_one_line,
-    open_metric_logger,
-)
 from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")

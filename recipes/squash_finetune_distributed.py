@@ -24,10 +24,11 @@ from tqdm import tqdm
 from squash.export import adapters
 from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
-from squash.training import checkpoint as ckpt
-from squash.training import data, resume, steps
+from squash.runs import checkpoint as ckpt
+from squash.runs import resume, run_lock
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
 from squash.training import distributed as sq_dist
-from squash.training import run_lock
+from squash.training import data, steps
 from squash.training.config_checks import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -38,11 +39,6 @@ from squash.training.config_checks import (
 )
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
 from squash.training.model_setup import assemble_adapter_model, load_base
-from squash.training.entry import (
-    close_metric_logger,
-    config_errors_in_one_line,
-    open_metric_logger,
-)
 from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")

@@ -26,8 +26,8 @@ import torch
 from omegaconf import OmegaConf
 
 from squash.export.hf_files import load_merged_checkpoint
-from squash.training import checkpoint as ckpt
-from squash.training import manifest
+from squash.runs import checkpoint as ckpt
+from squash.runs import manifest
 
 if TYPE_CHECKING:  # the gguf package is loaded when a model is read, not on import
     from gguf.metadata import Metadata

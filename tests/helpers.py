@@ -58,7 +58,7 @@ def tree(path: Path) -> Dict[str, object]:
 
 class StubCheckpointer:
     """A stand-in for the model's checkpointer with the interface
-    ``squash.training.checkpoint.write_checkpoint`` uses: it writes a PEFT config and a 1 KiB
+    ``squash.runs.checkpoint.write_checkpoint`` uses: it writes a PEFT config and a 1 KiB
     weight file into ``<output_dir>/epoch_N``."""
 
     def __init__(self, output_dir):
@@ -115,7 +115,7 @@ def assembled_from_checkpoint(ckpt_dir: Path, scratch: Path):
     from omegaconf import OmegaConf
 
     from squash.models.opt import OPTCheckpointer, opt_tokenizer
-    from squash.training import checkpoint as ckpt
+    from squash.runs import checkpoint as ckpt
     from squash.training.model_setup import assemble_adapter_model
 
     tiny = REPO / "assets" / "tiny_opt"
@@ -133,7 +133,7 @@ def rehash_checkpoint(path: Path) -> None:
     """Rewrite ``path/checkpoint.json`` to match the files as they now are (what a writer that
     saved them so would have recorded), keeping its counters and config: lets a test reach the
     checks behind the integrity check."""
-    from squash.training import manifest
+    from squash.runs import manifest
 
     meta = json.loads((path / "checkpoint.json").read_text())
     meta["files"] = manifest.file_table(path)

@@ -2,12 +2,8 @@
 
 Setting up a run:
 
-- :mod:`~squash.training.entry`: what a recipe's entry point does around a run (config errors
-  as one line, the metric logger opened last and closed without an empty file);
 - :mod:`~squash.training.config_checks`, :mod:`~squash.training.overrides`: config keys,
   values and command-line overrides checked, each error naming the key;
-- :mod:`~squash.training.run_lock`: the run's claim on its ``output_dir`` (never a directory
-  it reads, one live run at a time, the lock record checkpoints copy);
 - :mod:`~squash.training.model_setup`: the adapted model (and a frozen one) from the config,
   with :mod:`~squash.training.adapter_init` (the initial adapter) and
   :mod:`~squash.training.calibration` (the corrected 4-bit base);
@@ -23,14 +19,8 @@ Training:
 - :mod:`~squash.training.memory`: adapter memory accounting;
 - :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers.
 
-Saving and resuming:
-
-- :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading,
-  and finding the newest one;
-- :mod:`~squash.training.manifest`: ``checkpoint.json``, the hashes and counters every reader
-  verifies;
-- :mod:`~squash.training.resume`: the recipe state, finding it and checking it against the
-  resuming run (config, input files, optimizer state), and restoring it.
+What a run owns on disk (its lock, checkpoints, ``checkpoint.json``, resume, the entry
+point's error handling) is :mod:`squash.runs`.
 
 The OPT checkpointer lives with the model, in :mod:`squash.models.opt`; what a checkpoint
 exports of the model (squash adapter, PEFT adapter, merged weights) lives below training, in

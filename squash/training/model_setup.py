@@ -15,21 +15,17 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
-from squash.training import checkpoint as ckpt
+from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.nf4.base_outliers import outlier_modules
+from squash.runs import checkpoint as ckpt
 from squash.training.adapter_init import (
     initial_adapter_state_dict,
     loftq_initial_state,
     svd_initial_state,
 )
-from squash.training.calibration import (
-    apply_base_outliers_,
-    input_width,
-    model_second_moments,
-)
+from squash.training.calibration import apply_base_outliers_, input_width, model_second_moments
 from squash.training.config_checks import ConfigKeyError, builder_block
 from squash.training.distributed import broadcast, load_full_state_dict
-from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.training.masks import MaskUpdateSchedule
 from squash.training.memory import base_memory, outlier_memory
 

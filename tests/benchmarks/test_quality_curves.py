@@ -337,7 +337,7 @@ def evaluate_saved(task, rec, run_dir, ckpt, size):
     from torchtune import training
 
     from squash.models.smollm2 import smollm2_tokenizer
-    from squash.training.checkpoint import latest_checkpoint, load_adapter_into, load_squash_adapter
+    from squash.runs.checkpoint import latest_checkpoint, load_adapter_into, load_squash_adapter
     from squash.training.model_setup import setup_frozen_model
 
     cfg = qp.recipe_config(task, rec["arm"], rec["lr"], rec["seed"], rec["frac"], run_dir, ckpt,

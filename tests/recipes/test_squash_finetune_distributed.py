@@ -113,7 +113,7 @@ def _rebuild(ckpt_dir, quantize_base, svd=False):
     from torchtune import config
 
     from squash.models.opt import OPTCheckpointer
-    from squash.training import checkpoint as ckpt
+    from squash.runs import checkpoint as ckpt
 
     meta = json.loads((ckpt_dir / "squash_adapter_config.json").read_text())
     model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base,

@@ -35,7 +35,7 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
     """
     from omegaconf.errors import OmegaConfBaseException
 
-    from squash.training.manifest import CheckpointIntegrityError
+    from squash.runs.manifest import CheckpointIntegrityError
 
     try:
         yield
