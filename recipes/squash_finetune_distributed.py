@@ -21,6 +21,15 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.config.keys import (
+    FINETUNE_CONFIG_KEYS,
+    ConfigKeyError,
+    check_component,
+    check_keys,
+    get_int,
+)
+from squash.config.overrides import overrides_in_one_line
+from squash.config.values import check_values
 from squash.export import adapters
 from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
@@ -29,17 +38,8 @@ from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
 from squash.training import distributed as sq_dist
 from squash.training import data, steps
-from squash.training.config_checks import (
-    FINETUNE_CONFIG_KEYS,
-    ConfigKeyError,
-    check_component,
-    check_keys,
-    check_values,
-    get_int,
-)
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
 from squash.training.model_setup import assemble_adapter_model, load_base
-from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
 

@@ -168,7 +168,7 @@ def merge_adapter(
         ValueError: a model block naming other code than a model builder (or a tokenizer block
             other code than a tokenizer builder), or weights that do not fit it.
     """
-    from squash.training.config_checks import ConfigKeyError
+    from squash.config.keys import ConfigKeyError
     from squash.export.adapters import adapter_layout, merged_weights
     from squash.training.model_setup import assemble_adapter_model
 
@@ -230,7 +230,7 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     an allow-list), every other key a parameter of that builder, every value a JSON scalar or a
     list of them (no nested ``_component_``, no mapping but ``base_outliers``' keys of plain
     values, no ``${...}`` interpolation), and the adapter values of the right type and range
-    (the recipes' own :func:`~squash.training.config_checks.check_model_values`: ``lora_rank``,
+    (the recipes' own :func:`~squash.config.values.check_model_values`: ``lora_rank``,
     ``lora_alpha``, ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init`` and
     ``loftq_iterations`` (read by the assembly, whatever the builder takes), ``base_outliers``,
     the true/false keys). A checkpoint someone sent must never name code that
@@ -241,12 +241,9 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     """
     import inspect
 
+    from squash.config.keys import MODEL_ASSEMBLY_KEYS, ConfigKeyError
+    from squash.config.values import check_model_values
     from squash.models import adapter_builders
-    from squash.training.config_checks import (
-        MODEL_ASSEMBLY_KEYS,
-        ConfigKeyError,
-        check_model_values,
-    )
 
     if not isinstance(block, dict):
         raise ValueError(f"{where}: model is {type(block).__name__}, not a mapping of builder "

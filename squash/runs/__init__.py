@@ -13,7 +13,7 @@
 - :mod:`~squash.runs.resume`: the recipe state, finding it and checking it against the
   resuming run (config, input files, optimizer state), and restoring it.
 
-These import the config checks (errors naming the key) and :mod:`squash.export` (what a
+These import :mod:`squash.config` (errors naming the key) and :mod:`squash.export` (what a
 checkpoint holds of the model); the model assembly reads a checkpoint's adapter through
 :mod:`~squash.runs.checkpoint`.
 """

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from squash.training.config_checks import ConfigKeyError
+from squash.config.keys import ConfigKeyError
 
 
 def one_line(err: BaseException) -> str:

@@ -30,9 +30,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
+from squash.config.keys import ConfigKeyError
 from squash.runs import checkpoint as ckpt
 from squash.runs import manifest
-from squash.training.config_checks import ConfigKeyError
 
 log = logging.getLogger(__name__)
 tune_log = utils.get_logger("INFO")  # torchtune's logger, which the recipes log to

@@ -34,8 +34,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from squash._temporaries import process_alive
+from squash.config.keys import ConfigKeyError
 from squash.runs import manifest
-from squash.training.config_checks import ConfigKeyError
 
 log = logging.getLogger(__name__)
 

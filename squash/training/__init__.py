@@ -2,8 +2,6 @@
 
 Setting up a run:
 
-- :mod:`~squash.training.config_checks`, :mod:`~squash.training.overrides`: config keys,
-  values and command-line overrides checked, each error naming the key;
 - :mod:`~squash.training.model_setup`: the adapted model (and a frozen one) from the config,
   with :mod:`~squash.training.adapter_init` (the initial adapter) and
   :mod:`~squash.training.calibration` (the corrected 4-bit base);
@@ -19,8 +17,9 @@ Training:
 - :mod:`~squash.training.memory`: adapter memory accounting;
 - :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers.
 
-What a run owns on disk (its lock, checkpoints, ``checkpoint.json``, resume, the entry
-point's error handling) is :mod:`squash.runs`.
+The config's keys and values are checked in :mod:`squash.config`; what a run owns on disk
+(its lock, checkpoints, ``checkpoint.json``, resume, the entry point's error handling) is
+:mod:`squash.runs`.
 
 The OPT checkpointer lives with the model, in :mod:`squash.models.opt`; what a checkpoint
 exports of the model (squash adapter, PEFT adapter, merged weights) lives below training, in

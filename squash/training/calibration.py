@@ -23,10 +23,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune import config, training
 
+from squash.config.blocks import builder_block
+from squash.config.keys import ConfigKeyError
 from squash.modules.adapter import state_dict_key
 from squash.nf4 import SecondMoment
 from squash.nf4.base_outliers import outlier_modules, parse_base_outliers, set_corrected_base_
-from squash.training.config_checks import ConfigKeyError, builder_block
 from squash.training.distributed import shard_nf4_like
 
 __all__ = [

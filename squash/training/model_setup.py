@@ -14,6 +14,8 @@ from torch import nn
 from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
+from squash.config.blocks import builder_block
+from squash.config.keys import ConfigKeyError
 from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
 from squash.modules.adapter import adapter_layout, dense_adapter
 from squash.nf4.base_outliers import outlier_modules
@@ -24,7 +26,6 @@ from squash.training.adapter_init import (
     svd_initial_state,
 )
 from squash.training.calibration import apply_base_outliers_, input_width, model_second_moments
-from squash.training.config_checks import ConfigKeyError, builder_block
 from squash.training.distributed import broadcast, load_full_state_dict
 from squash.training.masks import MaskUpdateSchedule
 from squash.training.memory import base_memory, outlier_memory

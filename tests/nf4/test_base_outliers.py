@@ -9,17 +9,18 @@ from torch import nn
 from torchtune.models.llama3_2._component_builders import llama3_2
 
 import squash  # noqa: F401  (registers torch.ops.squash.*)
+from squash.config.keys import ConfigKeyError
+from squash.config.values import check_model_values
+from squash.export.adapters import merged_weights
 from squash.models.opt import squash_opt_tiny
+from squash.modules import SparseLoRALinear
+from squash.modules.adapter import adapter_layout
 from squash.nf4 import NF4Linear, NF4LoRALinear, nf4_linear, split_outliers, to_nf4
 from squash.nf4.base_outliers import module_outliers, outlier_modules, parse_base_outliers
 from squash.nf4.ops import nf4_dequantize
 from squash.nf4.quantize import nf4_block_sizes
-from squash.modules import SparseLoRALinear
-from squash.modules.adapter import adapter_layout
 from squash.sparsity.ffi import ffi_to_dense
 from squash.training.calibration import model_second_moments, second_moments
-from squash.training.config_checks import ConfigKeyError, check_model_values
-from squash.export.adapters import merged_weights
 from squash.training.model_setup import assemble_adapter_model, setup_frozen_model
 from tests.models.test_one_pass import TINY
 

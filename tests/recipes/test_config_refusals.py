@@ -20,9 +20,10 @@ from tests.helpers import tree as _tree
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
 
+from squash.config.keys import ConfigKeyError  # noqa: E402
+from squash.config.values import check_values  # noqa: E402
 from squash.runs import manifest  # noqa: E402
 from squash.runs.manifest import CheckpointIntegrityError  # noqa: E402
-from squash.training.config_checks import ConfigKeyError, check_values  # noqa: E402
 
 TINY = REPO / "assets" / "tiny_opt"
 KEYS = dict(epochs=2, max_steps_per_epoch=1)

@@ -21,9 +21,9 @@ sys.path.insert(0, str(REPO / "recipes"))
 import squash_eval  # noqa: E402
 import squash_finetune  # noqa: E402
 
+from squash.config.keys import ConfigKeyError  # noqa: E402
 from squash.runs import manifest  # noqa: E402
 from squash.runs.manifest import CheckpointIntegrityError  # noqa: E402
-from squash.training.config_checks import ConfigKeyError  # noqa: E402
 
 TINY = REPO / "assets" / "tiny_opt"
 EVAL_CONFIG = REPO / "configs" / "opt_tiny_eval.yaml"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from squash.config.keys import ConfigKeyError
 from squash.runs import run_lock
-from squash.training.config_checks import ConfigKeyError
 
 REPO = Path(__file__).resolve().parents[2]
 

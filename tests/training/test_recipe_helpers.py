@@ -6,9 +6,9 @@ import torch
 from omegaconf import OmegaConf
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
+from squash.config.keys import ConfigKeyError
 from squash.training import data, steps
 from squash.training.model_setup import load_all_but_adapters
-from squash.training.config_checks import ConfigKeyError
 
 
 def test_steps_per_epoch_is_whole_accumulations_capped():
