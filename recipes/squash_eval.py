@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
+from squash.assembly.model_setup import load_base, setup_frozen_model
 from squash.config.keys import ConfigKeyError, check_component, check_keys, get_int
 from squash.config.overrides import overrides_in_one_line
 from squash.config.values import check_values
@@ -33,7 +34,6 @@ from squash.runs import run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line
 from squash.training import data
 from squash.training.heldout import next_token_loss
-from squash.training.model_setup import load_base, setup_frozen_model
 
 log = utils.get_logger("INFO")
 

@@ -16,6 +16,7 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.assembly.model_setup import assemble_adapter_model, load_base
 from squash.config.keys import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -33,7 +34,6 @@ from squash.runs.entry import close_metric_logger, config_errors_in_one_line, op
 from squash.training import data, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
-from squash.training.model_setup import assemble_adapter_model, load_base
 
 log = utils.get_logger("INFO")
 

@@ -21,6 +21,8 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
+from squash.assembly import fsdp
+from squash.assembly.model_setup import assemble_adapter_model, load_base
 from squash.config.keys import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
@@ -39,7 +41,6 @@ from squash.runs.entry import close_metric_logger, config_errors_in_one_line, op
 from squash.training import distributed as sq_dist
 from squash.training import data, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
-from squash.training.model_setup import assemble_adapter_model, load_base
 
 log = utils.get_logger("INFO")
 
@@ -63,7 +64,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
           torchao cannot split evenly over the ranks (tiny models) stay whole on every rank.
         - Every rank reads the base checkpoint and keeps its own shard, as torchtune does; the
           adapters are then initialised from generators seeded by ``seed`` and the module name
-          (:mod:`squash.training.adapter_init`), so a run starts from the same adapter on any
+          (:mod:`squash.assembly.adapter_init`), so a run starts from the same adapter on any
           number of devices, ``squash_finetune`` included. ``model.init: svd`` is supported.
         - ``mask_update``: each rank records the dense gradient of its micro-batches; before an
           update they are summed over ranks; every rank computes the same new masks from the
@@ -238,7 +239,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         t0 = time.perf_counter()
 
         def shard(model: nn.Module) -> None:
-            whole = sq_dist.shard_model(
+            whole = fsdp.shard_model(
                 model,
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard,

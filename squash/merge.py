@@ -5,7 +5,7 @@ A checkpoint saved with merged weights (``save_adapter_weights_only: False``) is
 One saved with the adapter alone (what the shipped configs save) is merged here, in memory, into
 the base model its ``checkpoint.json`` records, exactly as the recipe merges when it writes the
 merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual or LoftQ's base, FFI
-adapter; :func:`squash.training.model_setup.assemble_adapter_model`, the recipes' own path), the
+adapter; :func:`squash.assembly.model_setup.assemble_adapter_model`, the recipes' own path), the
 adapter loaded, then :func:`squash.export.adapters.merged_weights` (``W + alpha / rank * B A``
 on the dequantized base) and the family's key conversion. Nothing is written anywhere.
 
@@ -168,9 +168,9 @@ def merge_adapter(
         ValueError: a model block naming other code than a model builder (or a tokenizer block
             other code than a tokenizer builder), or weights that do not fit it.
     """
+    from squash.assembly.model_setup import assemble_adapter_model
     from squash.config.keys import ConfigKeyError
     from squash.export.adapters import adapter_layout, merged_weights
-    from squash.training.model_setup import assemble_adapter_model
 
     checkpoint_dir, base_dir = Path(checkpoint_dir), Path(base_dir)
     cfg_path = checkpoint_dir / ckpt.SQUASH_ADAPTER_CONFIG_FILE

@@ -25,7 +25,7 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 # from squash_finetune (tests/recipes/test_squash_finetune.py; step 1 is also checked there
 # against an independent computation); other recipes' tests compare with them. Steps 3 and 4
 # depend on the initial adapter (drawn per module from (seed, name) since the distributed
-# recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
+# recipe, see squash.assembly.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
 PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
 
 
@@ -114,9 +114,9 @@ def assembled_from_checkpoint(ckpt_dir: Path, scratch: Path):
     import torch
     from omegaconf import OmegaConf
 
+    from squash.assembly.model_setup import assemble_adapter_model
     from squash.models.opt import OPTCheckpointer, opt_tokenizer
     from squash.runs import checkpoint as ckpt
-    from squash.training.model_setup import assemble_adapter_model
 
     tiny = REPO / "assets" / "tiny_opt"
     block = json.loads((ckpt_dir / "squash_adapter_config.json").read_text())["model"]

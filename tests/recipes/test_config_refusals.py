@@ -211,7 +211,7 @@ def _tiny_llama_fp16(directory):
 def test_torchtune_s_hf_checkpointer_is_checked_where_squash_loads_the_base(tmp_path, files):
     """torchtune's FullModelHFCheckpointer reads a header as it declares it; squash checks the
     files that checkpointer resolved before it loads them (every recipe, every checkpointer)."""
-    from squash.training.model_setup import load_base
+    from squash.assembly.model_setup import load_base
 
     model = _tiny_llama_fp16(tmp_path / "llama")
     weights = model / "model.safetensors"

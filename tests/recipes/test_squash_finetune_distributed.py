@@ -75,7 +75,7 @@ def test_masks_after_an_update_are_identical_across_ranks_and_moved(runs):
     from omegaconf import OmegaConf
     from torchtune import config
 
-    from squash.training.adapter_init import initial_adapter_state_dict
+    from squash.assembly.adapter_init import initial_adapter_state_dict
 
     debug = runs / "dist" / "debug"
     assert sorted(p.name for p in debug.iterdir()) == [
