@@ -181,7 +181,7 @@ def build_teacher(cfg, device: torch.device, dtype: torch.dtype):
     """The config's teacher from its ``teacher_checkpointer``, as the recipe builds it."""
     from torchtune import config, training
 
-    from squash.training.model_setup import setup_frozen_model
+    from squash.assembly.model_setup import setup_frozen_model
 
     sd = config.instantiate(cfg.teacher_checkpointer).load_checkpoint()[training.MODEL_KEY]
     return setup_frozen_model(cfg.teacher, sd, device=device, dtype=dtype,

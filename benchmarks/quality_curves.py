@@ -240,7 +240,7 @@ def run_one(task: str, arm: dict, lr: float, seed: int, frac: float, *, size: di
     rid = run_id(arm["key"], lr, seed, frac)
     run_dir = work / "runs" / task / rid
     rec = json.loads(out.read_text()) if out.exists() else None
-    from squash.training.checkpoint import latest_checkpoint
+    from squash.runs.checkpoint import latest_checkpoint
 
     if rec is None or not rec["points"] or latest_checkpoint(run_dir) is None:
         shutil.rmtree(run_dir, ignore_errors=True)

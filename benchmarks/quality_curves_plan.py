@@ -10,6 +10,7 @@ then single-seed lever rows and the base arms. :func:`recipe_config` is the conf
 the recipe class users run.
 """
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -44,6 +45,7 @@ def adapted_shapes() -> list:
     return _shapes("smollm2")
 
 
+@functools.lru_cache(maxsize=None)
 def rank_at(sparsity: float, factor: str, budget_rank: int = 16, dtype=torch.float32) -> int:
     """The largest squash rank whose adapter + grad + AdamW + index bytes fit in QLoRA
     ``budget_rank``'s."""

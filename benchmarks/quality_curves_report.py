@@ -139,7 +139,7 @@ def base_bytes(key: str) -> int:
     """Bytes of the frozen model arm ``key`` trains on (NF4 codes and scalers, the outliers'
     values and indices, dense tensors; tied embeddings once): ``base_memory`` of the model its
     recipe config builds, built on the meta device."""
-    from squash.training.model_setup import build_adapter_model
+    from squash.assembly.model_setup import build_adapter_model
 
     arm = arms(FULL["steps"])[key]
     cfg = recipe_config("unicode", arm, 1e-3, 0, 1.0, Path("/unused"), Path("/unused"),

@@ -22,28 +22,24 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.export import adapters
-from squash.losses import LogitKLLoss, SquareHeadLoss
-from squash.training import checkpoint as ckpt
-from squash.training import run_lock
-from squash.training import data, resume, steps
-from squash.training.config_checks import (
+from squash.assembly.model_setup import assemble_adapter_model, load_base, setup_frozen_model
+from squash.config.keys import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
-    check_values,
     get_int,
 )
-from squash.training.masks import MaskUpdateSchedule, mask_update_due
-from squash.training.model_setup import assemble_adapter_model, load_base, setup_frozen_model
+from squash.config.overrides import overrides_in_one_line
+from squash.config.values import check_values
+from squash.export import adapters
+from squash.losses import LogitKLLoss, SquareHeadLoss
+from squash.runs import checkpoint as ckpt
+from squash.runs import resume, run_lock
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
+from squash.training import data, steps
 from squash.training.heldout import setup_heldout
-from squash.training.entry import (
-    close_metric_logger,
-    config_errors_in_one_line,
-    open_metric_logger,
-)
-from squash.training.overrides import overrides_in_one_line
+from squash.training.masks import MaskUpdateSchedule, mask_update_due
 
 log = utils.get_logger("INFO")
 

@@ -36,8 +36,8 @@ from torchtune import config, training, utils
 from torchtune._recipe_registry import get_all_recipes
 
 import squash  # noqa: F401  (registers ${squash_asset:NAME}, which the configs use)
+from squash.config.overrides import overrides_in_one_line
 from squash.eval_tasks import TASK_DIR
-from squash.training.overrides import overrides_in_one_line
 
 
 def _load_torchtune_recipe(name: str):

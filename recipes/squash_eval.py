@@ -24,21 +24,16 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
+from squash.assembly.model_setup import load_base, setup_frozen_model
+from squash.config.keys import ConfigKeyError, check_component, check_keys, get_int
+from squash.config.overrides import overrides_in_one_line
+from squash.config.values import check_values
 from squash.modules import get_adapter_modules
-from squash.training import checkpoint as ckpt
-from squash.training import run_lock
+from squash.runs import checkpoint as ckpt
+from squash.runs import run_lock
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line
 from squash.training import data
-from squash.training.entry import close_metric_logger, config_errors_in_one_line
-from squash.training.config_checks import (
-    ConfigKeyError,
-    check_component,
-    check_keys,
-    check_values,
-    get_int,
-)
 from squash.training.heldout import next_token_loss
-from squash.training.model_setup import load_base, setup_frozen_model
-from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
 

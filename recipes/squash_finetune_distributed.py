@@ -21,29 +21,26 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from squash.export import adapters
-from squash.modules import get_adapter_buffers
-from squash.modules.surgery import state_dict_key
-from squash.training import checkpoint as ckpt
-from squash.training import data, resume, steps
-from squash.training import distributed as sq_dist
-from squash.training import run_lock
-from squash.training.config_checks import (
+from squash.assembly import fsdp
+from squash.assembly.model_setup import assemble_adapter_model, load_base
+from squash.config.keys import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
     check_keys,
-    check_values,
     get_int,
 )
+from squash.config.overrides import overrides_in_one_line
+from squash.config.values import check_values
+from squash.export import adapters
+from squash.modules import get_adapter_buffers
+from squash.modules.surgery import state_dict_key
+from squash.runs import checkpoint as ckpt
+from squash.runs import resume, run_lock
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
+from squash.training import distributed as sq_dist
+from squash.training import data, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
-from squash.training.model_setup import assemble_adapter_model, load_base
-from squash.training.entry import (
-    close_metric_logger,
-    config_errors_in_one_line,
-    open_metric_logger,
-)
-from squash.training.overrides import overrides_in_one_line
 
 log = utils.get_logger("INFO")
 
@@ -67,7 +64,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
           torchao cannot split evenly over the ranks (tiny models) stay whole on every rank.
         - Every rank reads the base checkpoint and keeps its own shard, as torchtune does; the
           adapters are then initialised from generators seeded by ``seed`` and the module name
-          (:mod:`squash.training.adapter_init`), so a run starts from the same adapter on any
+          (:mod:`squash.assembly.adapter_init`), so a run starts from the same adapter on any
           number of devices, ``squash_finetune`` included. ``model.init: svd`` is supported.
         - ``mask_update``: each rank records the dense gradient of its micro-batches; before an
           update they are summed over ranks; every rank computes the same new masks from the
@@ -242,7 +239,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         t0 = time.perf_counter()
 
         def shard(model: nn.Module) -> None:
-            whole = sq_dist.shard_model(
+            whole = fsdp.shard_model(
                 model,
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard,

@@ -1,5 +1,5 @@
 """Writing a directory atomically: the one implementation squash has, below every package that
-writes checkpoints (the recipes' :mod:`squash.training.checkpoint`, OPT's checkpointer); and a
+writes checkpoints (the recipes' :mod:`squash.runs.checkpoint`, OPT's checkpointer); and a
 config block as plain containers for the JSON files they write (:func:`to_plain`)."""
 
 import contextlib

@@ -23,7 +23,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from squash.training import manifest
+from squash.runs import manifest
 
 __all__ = ["TOKENIZER_BUILDERS", "checkpoint_tokenizer"]
 

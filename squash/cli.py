@@ -150,8 +150,9 @@ def _validate(config_path: str, recipe: Optional[str], overrides: List[str]) -> 
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from squash.training.config_checks import ConfigKeyError, validate_config
-    from squash.training.entry import one_line
+    from squash.config.keys import ConfigKeyError
+    from squash.config.validate import validate_config
+    from squash.runs.entry import one_line
 
     if not Path(config_path).is_file():
         print(f"squash validate: no such config file: {config_path}", file=sys.stderr)

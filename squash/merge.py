@@ -5,7 +5,7 @@ A checkpoint saved with merged weights (``save_adapter_weights_only: False``) is
 One saved with the adapter alone (what the shipped configs save) is merged here, in memory, into
 the base model its ``checkpoint.json`` records, exactly as the recipe merges when it writes the
 merged weights: the model rebuilt as it was trained (NF4 base, ``init: svd`` residual or LoftQ's base, FFI
-adapter; :func:`squash.training.model_setup.assemble_adapter_model`, the recipes' own path), the
+adapter; :func:`squash.assembly.model_setup.assemble_adapter_model`, the recipes' own path), the
 adapter loaded, then :func:`squash.export.adapters.merged_weights` (``W + alpha / rank * B A``
 on the dequantized base) and the family's key conversion. Nothing is written anywhere.
 
@@ -26,8 +26,8 @@ import torch
 from omegaconf import OmegaConf
 
 from squash.export.hf_files import load_merged_checkpoint
-from squash.training import checkpoint as ckpt
-from squash.training import manifest
+from squash.runs import checkpoint as ckpt
+from squash.runs import manifest
 
 if TYPE_CHECKING:  # the gguf package is loaded when a model is read, not on import
     from gguf.metadata import Metadata
@@ -168,9 +168,9 @@ def merge_adapter(
         ValueError: a model block naming other code than a model builder (or a tokenizer block
             other code than a tokenizer builder), or weights that do not fit it.
     """
-    from squash.training.config_checks import ConfigKeyError
+    from squash.assembly.model_setup import assemble_adapter_model
+    from squash.config.keys import ConfigKeyError
     from squash.export.adapters import adapter_layout, merged_weights
-    from squash.training.model_setup import assemble_adapter_model
 
     checkpoint_dir, base_dir = Path(checkpoint_dir), Path(base_dir)
     cfg_path = checkpoint_dir / ckpt.SQUASH_ADAPTER_CONFIG_FILE
@@ -230,7 +230,7 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     an allow-list), every other key a parameter of that builder, every value a JSON scalar or a
     list of them (no nested ``_component_``, no mapping but ``base_outliers``' keys of plain
     values, no ``${...}`` interpolation), and the adapter values of the right type and range
-    (the recipes' own :func:`~squash.training.config_checks.check_model_values`: ``lora_rank``,
+    (the recipes' own :func:`~squash.config.values.check_model_values`: ``lora_rank``,
     ``lora_alpha``, ``lora_dropout``, ``sparsity``, ``sparse_factor``, ``init`` and
     ``loftq_iterations`` (read by the assembly, whatever the builder takes), ``base_outliers``,
     the true/false keys). A checkpoint someone sent must never name code that
@@ -241,12 +241,9 @@ def checked_model_block(block: Any, where: Path) -> Dict[str, Any]:
     """
     import inspect
 
+    from squash.config.keys import MODEL_ASSEMBLY_KEYS, ConfigKeyError
+    from squash.config.values import check_model_values
     from squash.models import adapter_builders
-    from squash.training.config_checks import (
-        MODEL_ASSEMBLY_KEYS,
-        ConfigKeyError,
-        check_model_values,
-    )
 
     if not isinstance(block, dict):
         raise ValueError(f"{where}: model is {type(block).__name__}, not a mapping of builder "

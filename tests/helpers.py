@@ -25,7 +25,7 @@ QUICK = ["batch_size=4", "log_every_n_steps=1"]
 # from squash_finetune (tests/recipes/test_squash_finetune.py; step 1 is also checked there
 # against an independent computation); other recipes' tests compare with them. Steps 3 and 4
 # depend on the initial adapter (drawn per module from (seed, name) since the distributed
-# recipe, see squash.training.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
+# recipe, see squash.assembly.adapter_init), steps 1 and 2 do not (B = 0, lr = 0 at step 1).
 PINNED = {1: 6.929374679158111, 2: 6.926835632324218, 3: 6.91680344012605, 4: 6.894303226237775}
 
 
@@ -58,7 +58,7 @@ def tree(path: Path) -> Dict[str, object]:
 
 class StubCheckpointer:
     """A stand-in for the model's checkpointer with the interface
-    ``squash.training.checkpoint.write_checkpoint`` uses: it writes a PEFT config and a 1 KiB
+    ``squash.runs.checkpoint.write_checkpoint`` uses: it writes a PEFT config and a 1 KiB
     weight file into ``<output_dir>/epoch_N``."""
 
     def __init__(self, output_dir):
@@ -114,9 +114,9 @@ def assembled_from_checkpoint(ckpt_dir: Path, scratch: Path):
     import torch
     from omegaconf import OmegaConf
 
+    from squash.assembly.model_setup import assemble_adapter_model
     from squash.models.opt import OPTCheckpointer, opt_tokenizer
-    from squash.training import checkpoint as ckpt
-    from squash.training.model_setup import assemble_adapter_model
+    from squash.runs import checkpoint as ckpt
 
     tiny = REPO / "assets" / "tiny_opt"
     block = json.loads((ckpt_dir / "squash_adapter_config.json").read_text())["model"]
@@ -133,7 +133,7 @@ def rehash_checkpoint(path: Path) -> None:
     """Rewrite ``path/checkpoint.json`` to match the files as they now are (what a writer that
     saved them so would have recorded), keeping its counters and config: lets a test reach the
     checks behind the integrity check."""
-    from squash.training import manifest
+    from squash.runs import manifest
 
     meta = json.loads((path / "checkpoint.json").read_text())
     meta["files"] = manifest.file_table(path)

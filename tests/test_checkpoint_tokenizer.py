@@ -8,7 +8,7 @@ import pytest
 
 from squash.checkpoint_tokenizer import checkpoint_tokenizer
 from squash.models.opt import opt_tokenizer
-from squash.training import manifest
+from squash.runs import manifest
 from tests.helpers import REPO
 
 TINY = REPO / "assets" / "tiny_opt"

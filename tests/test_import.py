@@ -74,33 +74,53 @@ def test_one_version_string():
 
 
 def _imports(path):
-    """The squash modules ``path`` imports (at any depth of the file, functions included)."""
+    """The squash modules ``path`` imports (at any depth of the file, functions included);
+    ``from squash import x`` counts as ``squash.x``."""
     import ast
 
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if node.module == "squash":
+                names.update(f"squash.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return {n for n in names if n == "squash" or n.startswith("squash.")}
 
 
+# squash's packages by floor, lowest first (docs/architecture.md, "Folders, lowest first"): a
+# package imports only packages on lower floors, never one beside it or above it. The top-level
+# modules (merge, chat, cli) and the recipes stand above them all.
+FLOORS = [
+    ["sparsity"],
+    ["ops"],
+    ["nf4"],
+    ["modules"],
+    ["export"],
+    ["models"],
+    ["config"],
+    ["training", "runs"],
+    ["assembly"],
+]
+
+
 def test_layers_point_down():
-    """models/ and export/ never import training/; the layers under models/ (export, modules,
-    nf4, ops, sparsity) import neither; ops/ does not import nf4/ (nf4 is built on ops)."""
-    below_training = ["export", "models", "modules", "nf4", "ops", "sparsity"]
-    for folder in below_training:
-        for path in (REPO / "squash" / folder).rglob("*.py"):
-            bad = {n for n in _imports(path) if n.startswith("squash.training")}
-            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
-    for folder in ["export", "modules", "nf4", "ops", "sparsity"]:
-        for path in (REPO / "squash" / folder).rglob("*.py"):
-            bad = {n for n in _imports(path) if n.startswith("squash.models")}
-            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
-    for path in (REPO / "squash" / "ops").rglob("*.py"):
-        bad = {n for n in _imports(path) if n.startswith("squash.nf4")}
-        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    """Each package of :data:`FLOORS` imports only packages on lower floors: sparsity/ imports
+    none of them, ops/ does not import nf4/ (nf4 is built on ops), models/ and export/ import
+    neither the config nor what reads it, config/ imports none of training/, runs/ and
+    assembly/, training/ and runs/ do not import each other, and assembly/ (config -> model)
+    is imported by none of them."""
+    floor = {pkg: i for i, pkgs in enumerate(FLOORS) for pkg in pkgs}
+    assert all((REPO / "squash" / pkg).is_dir() for pkg in floor)
+    bad = []
+    for pkg, level in floor.items():
+        for path in (REPO / "squash" / pkg).rglob("*.py"):
+            for name in _imports(path):
+                other = name.split(".")[1] if name.count(".") else None
+                if other in floor and other != pkg and floor[other] >= level:
+                    bad.append(f"{path.relative_to(REPO)} imports {name}")
+    assert not bad, bad
 
 
 def _module_graph():
@@ -132,7 +152,7 @@ def test_no_import_circle():
     bodies included): the strongly connected components of the import graph are single
     modules."""
     graph = _module_graph()
-    assert graph["squash.training.run_lock"] >= {"squash.training.manifest"}  # the graph is real
+    assert graph["squash.runs.run_lock"] >= {"squash.runs.manifest"}  # the graph is real
     index, low, stack, on, circles = {}, {}, [], set(), []
 
     def visit(v):  # Tarjan's algorithm

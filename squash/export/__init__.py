@@ -9,9 +9,10 @@
 - :mod:`~squash.export.hf_files`: reading a Hugging Face model directory, and
   :mod:`~squash.export.formats`: the recipes' ``export`` block; neither needs ``gguf``.
 
-Below :mod:`squash.models` and :mod:`squash.training`: this package imports neither. The GGUF
-names below load the ``gguf`` package on first use, so a recipe (its saves, its ``export``
-block, :mod:`squash.merge`) loads it only when it writes a GGUF file.
+Below :mod:`squash.models` and the packages that read a config (:mod:`squash.config`,
+:mod:`squash.training`, :mod:`squash.runs`, :mod:`squash.assembly`): it imports none of them.
+The GGUF names below load the ``gguf`` package on first use, so a recipe (its saves, its
+``export`` block, :mod:`squash.merge`) loads it only when it writes a GGUF file.
 """
 
 import importlib

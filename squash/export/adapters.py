@@ -182,7 +182,7 @@ def peft_adapter(
 
 @dataclass
 class Exports:
-    """What :func:`squash.training.checkpoint.write_checkpoint` writes of the model."""
+    """What :func:`squash.runs.checkpoint.write_checkpoint` writes of the model."""
 
     squash_adapter: Dict[str, torch.Tensor]
     squash_adapter_config: Dict[str, Any]

@@ -11,7 +11,7 @@ torchao's defaults where they divide it). :func:`squash_llama3_2` (Llama 3.2 and
 choice: the same modules, state-dict keys and hooks, built in one pass (no model surgery, no
 ``__class__`` swaps, each adapter drawn once). ``quantize_base=True`` by default, as in
 torchtune's ``qlora_*`` builders. ``init="svd"`` factors each base the model holds when built;
-the recipes (:func:`squash.training.model_setup.assemble_adapter_model`) factor the checkpoint's
+the recipes (:func:`squash.assembly.model_setup.assemble_adapter_model`) factor the checkpoint's
 weights instead.
 
 The named builders are plain functions with explicit signatures and literal sizes.

@@ -342,7 +342,7 @@ def sparse_lora_linear(
       equals the base output at step 0.
     - ``"svd"``: :func:`svd_factors` of the base weight (nothing on the meta device), the base
       becoming the residual. For a real checkpoint, the assembly
-      (:func:`squash.training.model_setup.assemble_adapter_model`) factors the loaded weights.
+      (:func:`squash.assembly.model_setup.assemble_adapter_model`) factors the loaded weights.
 
     Args:
         in_dim (int): input width.

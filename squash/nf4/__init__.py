@@ -4,8 +4,10 @@ block sizes for every weight shape and quantization (:mod:`~squash.nf4.quantize`
 NF4 modules computed with them (:mod:`~squash.nf4.modules`), and squash's extensions to torchao's
 ``NF4Tensor`` (:mod:`~squash.nf4.extensions`), installed by :func:`install_torchao_extensions`,
 never on import. The kernels are ``kernels/nf4_*``. Better 4-bit bases on it: a corrected base
-with a Fixed Fan-In outlier matrix (:mod:`~squash.nf4.outliers`, SpQR's idea) and LoftQ's
-adapter initialization (:mod:`~squash.nf4.loftq`).
+with a Fixed Fan-In outlier matrix (:mod:`~squash.nf4.outliers`, SpQR's idea; a model's corrected
+base and its config block in :mod:`~squash.nf4.base_outliers`) and LoftQ's adapter
+initialization (:mod:`~squash.nf4.loftq`). NF4 weights under FSDP2 (which can be split into
+row shards, and a rank's shard of one): :mod:`~squash.nf4.sharding`.
 
 The modules and quantization helpers (which import torchtune's modules) load on first use, so
 ``import squash`` (which registers the ops) stays as light as the ops are."""

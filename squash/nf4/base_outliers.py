@@ -9,7 +9,7 @@ holds the setting in ``base_outliers`` and ``S`` in the non-persistent buffers
 ``outlier_values`` and ``outlier_indices``: nothing of ``S`` is written to a checkpoint. ``S`` is
 a deterministic function of the dense base weight (and, for ``"sensitivity"``, of the
 calibration second moments), so it is rebuilt from the base whenever the model is loaded
-(:func:`set_corrected_base_`, called by :mod:`squash.training.calibration`). Until then ``S`` is
+(:func:`set_corrected_base_`, called by :mod:`squash.assembly.calibration`). Until then ``S`` is
 empty and the module computes plain NF4.
 
 A model's state dict holds each corrected base as ``dequant(NF4) + S``

@@ -70,7 +70,7 @@ def loftq(
     (in whatever form the caller keeps them) and their product ``s B A`` as a float32 tensor;
     the next iteration quantizes ``W - s B A``. :func:`loftq_factors` is PEFT's dense step;
     squash's sparse adapters step with their SVD initialisation
-    (:func:`squash.training.adapter_init.loftq_initial_state`).
+    (:func:`squash.assembly.adapter_init.loftq_initial_state`).
 
     Args:
         weight (torch.Tensor): ``(out, in)`` floating; computed in float32.

@@ -1,40 +1,23 @@
-"""What training recipes share, one module per job; the recipes call these, never copy them.
-
-Setting up a run:
-
-- :mod:`~squash.training.entry`: what a recipe's entry point does around a run (config errors
-  as one line, the metric logger opened last and closed without an empty file);
-- :mod:`~squash.training.config_checks`, :mod:`~squash.training.overrides`: config keys,
-  values and command-line overrides checked, each error naming the key;
-- :mod:`~squash.training.run_lock`: the run's claim on its ``output_dir`` (never a directory
-  it reads, one live run at a time, the lock record checkpoints copy);
-- :mod:`~squash.training.model_setup`: the adapted model (and a frozen one) from the config,
-  with :mod:`~squash.training.adapter_init` (the initial adapter) and
-  :mod:`~squash.training.calibration` (the corrected 4-bit base);
-- :mod:`~squash.training.data`: the resumable data loader and the steps an epoch makes.
-
-Training:
+"""The training step and what surrounds it, one module per job; the recipes call these, never
+copy them.
 
 - :mod:`~squash.training.steps`: the optimizer step, the lr schedule, profiler and logged stats,
   and the mask update around a step;
-- :mod:`~squash.training.masks`: when masks move and by how much, and prune and regrow at
-  constant fan-in;
+- :mod:`~squash.training.masks`: when masks move and by how much, prune and regrow at constant
+  fan-in, and what a backward records for it;
+- :mod:`~squash.training.distributed`: the same mask update on a model sharded with FSDP2, the
+  check that every rank holds the same FFI indices, per-rank state gathered for a checkpoint;
+- :mod:`~squash.training.data`: the resumable data loader, the records it names when one cannot
+  be used, and the steps an epoch makes;
 - :mod:`~squash.training.heldout`: the held-out evaluation before and after training;
-- :mod:`~squash.training.memory`: adapter memory accounting;
-- :mod:`~squash.training.distributed`: what FSDP2 needs beyond torchtune's helpers.
+- :mod:`~squash.training.memory`: adapter memory accounting.
 
-Saving and resuming:
-
-- :mod:`~squash.training.checkpoint`: atomic checkpoint directories, naming, pruning, reading,
-  and finding the newest one;
-- :mod:`~squash.training.manifest`: ``checkpoint.json``, the hashes and counters every reader
-  verifies;
-- :mod:`~squash.training.resume`: the recipe state, finding it and checking it against the
-  resuming run (config, input files, optimizer state), and restoring it.
-
-The OPT checkpointer lives with the model, in :mod:`squash.models.opt`; what a checkpoint
-exports of the model (squash adapter, PEFT adapter, merged weights) lives below training, in
-:mod:`squash.export.adapters`.
+The rooms beside this one: :mod:`squash.config` (the config's keys and values, checked),
+:mod:`squash.runs` (what a run owns on disk: its lock, checkpoints, ``checkpoint.json``,
+resume) and :mod:`squash.assembly` (config -> model, which uses the mask schedule and the memory
+accounting here). What a checkpoint exports of the model (squash adapter, PEFT adapter, merged
+weights) lives below, in :mod:`squash.export.adapters`; the OPT checkpointer lives with the
+model, in :mod:`squash.models.opt`.
 """
 
 from squash.training.masks import (

@@ -1,8 +1,9 @@
 """The data a training recipe reads: a stateful (resumable) loader over the ``dataset`` block,
-sharded over ranks for a distributed run, and the optimizer steps an epoch of it makes."""
+sharded over ranks for a distributed run, whose records name themselves when one cannot be used
+(:class:`NamedRecordErrors`), and the optimizer steps an epoch of it makes."""
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from omegaconf import ListConfig
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -12,7 +13,8 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
-from squash.training.config_checks import ConfigKeyError, NamedRecordErrors, dataset_where
+from squash._io import to_plain
+from squash.config.keys import ConfigKeyError
 
 
 def setup_dataloader(
@@ -129,3 +131,56 @@ def steps_per_epoch(
             f"gradient_accumulation_steps={grad_accum}"
         )
     return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)
+
+
+class NamedRecordErrors:
+    """A map-style dataset whose records, when one cannot be turned into a sample (a null
+    ``output``, a value of the wrong type), raise a ``ValueError`` naming the record, the data
+    files and the record's null fields, instead of the transform's own error (torchtune's
+    ``AssertionError: content must be of type List[Dict[str, Any]], got None``).
+
+    A ``KeyError`` (a missing column) passes through unchanged: the recipe names the columns
+    there are. Every other attribute is the wrapped dataset's.
+
+    Args:
+        dataset (Any): the dataset (``len`` and ``[]``).
+        where (str): the config key and data files, for the message.
+    """
+
+    def __init__(self, dataset: Any, where: str) -> None:
+        self._dataset, self._where = dataset, where
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if "_dataset" not in self.__dict__:  # during unpickling
+            raise AttributeError(name)
+        return getattr(self.__dict__["_dataset"], name)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self._dataset[index]
+        except KeyError:
+            raise
+        except Exception as e:
+            raise ValueError(
+                f"{self._where}: record {index} cannot be used{self._nulls(index)} "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+    def _nulls(self, index: int) -> str:
+        try:
+            raw = self._dataset._data[index]
+            nulls = [k for k, v in raw.items() if v is None]
+        except Exception:  # not an HF-backed dataset: the message is useful without it
+            return ""
+        return f": it has null {nulls}" if nulls else ""
+
+
+def dataset_where(cfg_dataset: Any) -> str:
+    """``dataset (data_files ...)``: how messages name a dataset block."""
+    nodes = cfg_dataset if isinstance(cfg_dataset, (list, ListConfig)) else [cfg_dataset]
+    files = [n.get("data_files") or n.get("source") for n in nodes if isinstance(n, Mapping)]
+    files = [to_plain(f) for f in files]
+    return f"dataset ({files[0] if len(files) == 1 else files})"

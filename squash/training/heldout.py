@@ -28,11 +28,11 @@ from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
 from tqdm import tqdm
 
-from squash.training.config_checks import (  # noqa: F401  (parse_heldout: heldout.* as before)
+from squash.config.blocks import (  # noqa: F401  (parse_heldout: heldout.* as before)
     HELDOUT_KEYS,
-    ConfigKeyError,
     parse_heldout,
 )
+from squash.config.keys import ConfigKeyError
 
 def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(tokens)

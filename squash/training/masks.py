@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from squash._checks import check_int, check_real
+from squash.config.blocks import parse_mask_update
 from squash.modules import FFILinear, SparseLoRALinear
 from squash.sparsity.ffi import index_dtype, validate_ffi
-from squash.training.config_checks import parse_mask_update
 
 
 def cosine_drop_fraction(step: int, drop_fraction: float, until_step: int) -> float:

@@ -37,7 +37,7 @@ def optimizer_params(model: nn.Module, lora_plus_lr_ratio: Optional[float], lr: 
         ConfigKeyError: a ratio that is not a positive number, a missing ``optimizer.lr``, or a
             model with no ``lora_b`` parameter.
     """
-    from squash.training.config_checks import ConfigKeyError
+    from squash.config.keys import ConfigKeyError
 
     if lora_plus_lr_ratio is None:
         return model.parameters()

@@ -336,9 +336,9 @@ def evaluate_saved(task, rec, run_dir, ckpt, size):
     from omegaconf import OmegaConf
     from torchtune import training
 
+    from squash.assembly.model_setup import setup_frozen_model
     from squash.models.smollm2 import smollm2_tokenizer
-    from squash.training.checkpoint import latest_checkpoint, load_adapter_into, load_squash_adapter
-    from squash.training.model_setup import setup_frozen_model
+    from squash.runs.checkpoint import latest_checkpoint, load_adapter_into, load_squash_adapter
 
     cfg = qp.recipe_config(task, rec["arm"], rec["lr"], rec["seed"], rec["frac"], run_dir, ckpt,
                            size, 10, "cpu", "fp32", False)  # fmt: skip

@@ -139,7 +139,7 @@ def test_an_adapter_only_checkpoint_never_dequantizes_the_nf4_base(tmp_path, mon
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from squash.models.opt import OPTCheckpointer
-    from squash.training import checkpoint as ckpt
+    from squash.runs import checkpoint as ckpt
 
     tiny = Path(__file__).resolve().parents[2] / "assets" / "tiny_opt"
     torch.manual_seed(0)

@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 
 from squash.chat import load_checkpoint, main as chat_main
 from squash.cli import main as cli_main
-from squash.training import checkpoint as ckpt
-from squash.training import manifest
 from squash.export.adapters import squash_adapter
+from squash.runs import checkpoint as ckpt
+from squash.runs import manifest
 
 from tests.helpers import REPO, rehash_checkpoint
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]

@@ -82,8 +82,8 @@ def _train(model):
 def test_llama_peft_adapter_and_merged_weights_match_transformers(hf_dir, tmp_path, svd):
     from peft import PeftModel
 
-    from squash.training import checkpoint as ckpt
     from squash.export import adapters
+    from squash.runs import checkpoint as ckpt
 
     checkpointer = _checkpointer(hf_dir, tmp_path / "out")  # loads, then saves, as a recipe's
     base = checkpointer.load_checkpoint()["model"]

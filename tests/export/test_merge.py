@@ -16,8 +16,8 @@ from squash.chat import load_checkpoint
 from squash.cli import main as cli_main
 from squash.export.gguf import load_merged_checkpoint
 from squash.merge import export_checkpoint, load_checkpoint_model
-from squash.training import checkpoint as ckpt
-from squash.training.manifest import CheckpointIntegrityError
+from squash.runs import checkpoint as ckpt
+from squash.runs.manifest import CheckpointIntegrityError
 
 from tests.helpers import REPO, rehash_checkpoint, tune_run
 
@@ -344,7 +344,7 @@ def test_export_and_chat_refuse_a_flipped_bit_as_resume_does(run, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(f"squash chat: {want}") and err.count("\n") == 1, err
     # resume's own verification says the same of the same directory
-    from squash.training import manifest
+    from squash.runs import manifest
 
     with pytest.raises(CheckpointIntegrityError, match="does not match"):
         manifest.verify(damaged)

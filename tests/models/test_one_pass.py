@@ -12,9 +12,9 @@ from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import LoRALinear
 
+from squash.assembly.model_setup import assemble_adapter_model, build_adapter_model
 from squash.models.smollm2._model_builders import SMOLLM2_135M
 from squash.modules import FFILinear, SparseLoRALinear
-from squash.training.model_setup import assemble_adapter_model, build_adapter_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "output_proj"]
 # SmolLM2's architecture at a tenth of its width and two layers: the same builders, small shapes

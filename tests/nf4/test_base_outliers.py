@@ -9,18 +9,19 @@ from torch import nn
 from torchtune.models.llama3_2._component_builders import llama3_2
 
 import squash  # noqa: F401  (registers torch.ops.squash.*)
+from squash.assembly.calibration import model_second_moments, second_moments
+from squash.assembly.model_setup import assemble_adapter_model, setup_frozen_model
+from squash.config.keys import ConfigKeyError
+from squash.config.values import check_model_values
+from squash.export.adapters import merged_weights
 from squash.models.opt import squash_opt_tiny
+from squash.modules import SparseLoRALinear
+from squash.modules.adapter import adapter_layout
 from squash.nf4 import NF4Linear, NF4LoRALinear, nf4_linear, split_outliers, to_nf4
 from squash.nf4.base_outliers import module_outliers, outlier_modules, parse_base_outliers
 from squash.nf4.ops import nf4_dequantize
 from squash.nf4.quantize import nf4_block_sizes
-from squash.modules import SparseLoRALinear
-from squash.modules.adapter import adapter_layout
 from squash.sparsity.ffi import ffi_to_dense
-from squash.training.calibration import model_second_moments, second_moments
-from squash.training.config_checks import ConfigKeyError, check_model_values
-from squash.export.adapters import merged_weights
-from squash.training.model_setup import assemble_adapter_model, setup_frozen_model
 from tests.models.test_one_pass import TINY
 
 FRACTION = 0.05  # 3 of 64 columns, 6 of 128
@@ -248,7 +249,7 @@ def test_a_resumed_adapter_on_the_rebuilt_base_gives_the_same_outputs(base):
 
 
 def test_svd_init_splits_the_residual_it_trains_on(base):
-    from squash.training.adapter_init import svd_initial_state
+    from squash.assembly.adapter_init import svd_initial_state
 
     cfg = _cfg(outliers=MAGNITUDE, init="svd")
     model = _assemble(base, cfg)
@@ -271,8 +272,8 @@ def test_a_sharded_assembly_holds_the_corrected_base_and_exports_it_as_one_devic
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from squash.assembly.fsdp import shard_model
     from squash.export.adapters import state_to_export
-    from squash.training.distributed import shard_model
 
     cfg = _cfg(outliers=MAGNITUDE)
     plain = _assemble(base, cfg)

@@ -19,7 +19,7 @@ KEYS = ["epochs=1", "max_steps_per_epoch=2", "~mask_update",
 @pytest.mark.slow
 def test_a_run_on_a_corrected_base_writes_merged_weights_with_its_outliers(run, tmp_path):
     from squash.nf4.base_outliers import module_outliers
-    from squash.training import checkpoint as ckpt
+    from squash.runs import checkpoint as ckpt
 
     proc = run(tmp_path, *KEYS)
     assert "NF4 + FFI outliers" in proc.stdout + proc.stderr

@@ -20,9 +20,10 @@ from tests.helpers import tree as _tree
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
 
-from squash.training import manifest  # noqa: E402
-from squash.training.config_checks import ConfigKeyError, check_values  # noqa: E402
-from squash.training.manifest import CheckpointIntegrityError  # noqa: E402
+from squash.config.keys import ConfigKeyError  # noqa: E402
+from squash.config.values import check_values  # noqa: E402
+from squash.runs import manifest  # noqa: E402
+from squash.runs.manifest import CheckpointIntegrityError  # noqa: E402
 
 TINY = REPO / "assets" / "tiny_opt"
 KEYS = dict(epochs=2, max_steps_per_epoch=1)
@@ -210,7 +211,7 @@ def _tiny_llama_fp16(directory):
 def test_torchtune_s_hf_checkpointer_is_checked_where_squash_loads_the_base(tmp_path, files):
     """torchtune's FullModelHFCheckpointer reads a header as it declares it; squash checks the
     files that checkpointer resolved before it loads them (every recipe, every checkpointer)."""
-    from squash.training.model_setup import load_base
+    from squash.assembly.model_setup import load_base
 
     model = _tiny_llama_fp16(tmp_path / "llama")
     weights = model / "model.safetensors"

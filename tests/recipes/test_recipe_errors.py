@@ -14,7 +14,7 @@ from tests.helpers import REPO, TINY_CONFIG, rehash_checkpoint
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
 
-from squash.training.config_checks import ConfigKeyError  # noqa: E402
+from squash.config.keys import ConfigKeyError  # noqa: E402
 
 
 def _cfg(tmp_path, **changes):

@@ -11,7 +11,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
 
 from squash.export import UnsupportedModelError, parse_export_config  # noqa: E402
-from squash.training import checkpoint as ckpt  # noqa: E402
+from squash.runs import checkpoint as ckpt  # noqa: E402
 
 
 def _cfg(tmp_path, **changes):

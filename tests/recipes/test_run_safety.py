@@ -21,9 +21,9 @@ sys.path.insert(0, str(REPO / "recipes"))
 import squash_eval  # noqa: E402
 import squash_finetune  # noqa: E402
 
-from squash.training import manifest  # noqa: E402
-from squash.training.config_checks import ConfigKeyError  # noqa: E402
-from squash.training.manifest import CheckpointIntegrityError  # noqa: E402
+from squash.config.keys import ConfigKeyError  # noqa: E402
+from squash.runs import manifest  # noqa: E402
+from squash.runs.manifest import CheckpointIntegrityError  # noqa: E402
 
 TINY = REPO / "assets" / "tiny_opt"
 EVAL_CONFIG = REPO / "configs" / "opt_tiny_eval.yaml"
@@ -150,7 +150,7 @@ def test_a_fresh_run_into_a_used_output_dir_is_refused_and_its_checkpoints_untou
 
 
 def test_an_empty_or_checkpoint_free_output_dir_is_fine_for_a_fresh_run(tmp_path):
-    from squash.training import run_lock
+    from squash.runs import run_lock
 
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)

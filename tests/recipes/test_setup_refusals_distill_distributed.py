@@ -15,7 +15,7 @@ from tests.helpers import REPO, declare_dtype, tree, tune_run
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_distill  # noqa: E402
 
-from squash.training.config_checks import ConfigKeyError  # noqa: E402
+from squash.config.keys import ConfigKeyError  # noqa: E402
 
 TINY = REPO / "assets" / "tiny_opt"
 DISTILL = REPO / "configs" / "opt_tiny_distill.yaml"

@@ -35,7 +35,7 @@ def _squash_logits(ckpt: Path, epoch_dir: Path, ids: torch.Tensor, quantize_base
     from torchtune import config
     from torchtune.training import FullModelHFCheckpointer
 
-    from squash.training import checkpoint as ckpt_lib
+    from squash.runs import checkpoint as ckpt_lib
 
     cfg = OmegaConf.load(CONFIG)
     assert cfg.model.quantize_base  # the run trained on an NF4 base

@@ -115,7 +115,7 @@ def _rebuild(output_dir, name, quantize_base, svd=False):
     from torchtune import config
 
     from squash.models.opt import OPTCheckpointer
-    from squash.training import checkpoint as ckpt
+    from squash.runs import checkpoint as ckpt
 
     meta = json.loads((output_dir / name / "squash_adapter_config.json").read_text())
     model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base,

@@ -75,7 +75,7 @@ def test_masks_after_an_update_are_identical_across_ranks_and_moved(runs):
     from omegaconf import OmegaConf
     from torchtune import config
 
-    from squash.training.adapter_init import initial_adapter_state_dict
+    from squash.assembly.adapter_init import initial_adapter_state_dict
 
     debug = runs / "dist" / "debug"
     assert sorted(p.name for p in debug.iterdir()) == [
@@ -113,7 +113,7 @@ def _rebuild(ckpt_dir, quantize_base, svd=False):
     from torchtune import config
 
     from squash.models.opt import OPTCheckpointer
-    from squash.training import checkpoint as ckpt
+    from squash.runs import checkpoint as ckpt
 
     meta = json.loads((ckpt_dir / "squash_adapter_config.json").read_text())
     model = config.instantiate(OmegaConf.create(meta["model"]), quantize_base=quantize_base,

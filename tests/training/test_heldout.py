@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
+from squash.config.keys import ConfigKeyError
 from squash.datasets import unicode_names_dataset
 from squash.models.opt import OPTCheckpointer, opt, opt_args_from_hf_config, opt_tokenizer
-from squash.training.config_checks import ConfigKeyError
 from squash.training.heldout import (
     HeldoutEvaluator,
     greedy_tokens,
@@ -92,7 +92,7 @@ def test_report_prints_before_and_after(tiny, capsys):
 
 
 def test_a_prompt_index_past_the_samples_names_the_key(tiny):
-    from squash.training.config_checks import ConfigKeyError
+    from squash.config.keys import ConfigKeyError
 
     _, _, tok = tiny
     settings = parse_heldout({

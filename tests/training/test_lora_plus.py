@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torchtune.modules.peft import LoRALinear, get_adapter_params, set_trainable_params
 
+from squash.config.keys import ConfigKeyError
 from squash.modules import sparse_lora_linear
-from squash.training.config_checks import ConfigKeyError
 from squash.training.steps import optimizer_params
 
 

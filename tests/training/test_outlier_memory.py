@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from torchtune import config
 from torchtune.models.llama3_2._component_builders import llama3_2
 
+from squash.assembly.model_setup import assemble_adapter_model
 from squash.training.memory import base_memory, outlier_memory
-from squash.training.model_setup import assemble_adapter_model
 from tests.models.test_one_pass import TINY
 
 OUTLIERS = {"fraction": 0.05, "criterion": "magnitude"}

@@ -1,14 +1,13 @@
-"""The recipes' shared set-up pieces (squash.training.data, .steps, .model_setup), against hand-computed values and
-torchtune's own scheduler stepped by hand."""
+"""The recipes' shared set-up pieces (squash.training.data, .steps), against hand-computed values
+and torchtune's own scheduler stepped by hand."""
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
+from squash.config.keys import ConfigKeyError
 from squash.training import data, steps
-from squash.training.model_setup import load_all_but_adapters
-from squash.training.config_checks import ConfigKeyError
 
 
 def test_steps_per_epoch_is_whole_accumulations_capped():
@@ -66,17 +65,3 @@ def test_lr_scheduler_restores_a_saved_state():
                                       state=state)
     assert restored.state_dict()["last_epoch"] == 5
     assert restored.get_last_lr() == pytest.approx(sched.get_last_lr())
-
-
-def test_load_all_but_adapters_names_what_does_not_fit():
-    layer = torch.nn.ModuleDict({"base": torch.nn.Linear(2, 2), "lora_a": torch.nn.Linear(2, 1)})
-    model = torch.nn.ModuleDict({"q": layer})
-    adapter = layer["lora_a"].weight.detach().clone()
-    weights = {"q.base.weight": torch.ones(2, 2), "q.base.bias": torch.zeros(2)}
-    load_all_but_adapters(model, weights, "x")
-    assert torch.equal(layer["base"].weight, torch.ones(2, 2))
-    assert torch.equal(layer["lora_a"].weight, adapter)  # the adapter keeps its values
-    with pytest.raises(ValueError,
-                       match=r"the base: missing \['q.base.bias'\], unexpected \['x'\]"):
-        load_all_but_adapters(model, {"q.base.weight": torch.ones(2, 2), "x": torch.ones(1)},
-                                  "the base")

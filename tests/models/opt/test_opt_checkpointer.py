@@ -225,7 +225,7 @@ def test_interrupted_saves_are_cleaned_up_and_restored(hf_dir, tmp_path):
     checkpointer.save_checkpoint(state_dict, epoch=0)
     checkpointer.save_checkpoint(state_dict, epoch=1)
     saved = sorted(p.name for p in (out / "epoch_1").iterdir())
-    # The names squash's one atomic writer (squash.training.checkpoint.atomic_directory) uses.
+    # The names squash's one atomic writer (squash.runs.checkpoint.atomic_directory) uses.
     # A save of epoch 2 killed mid-write: a hidden temporary directory with a partial shard.
     (out / ".squash-tmp-epoch_2.k2j4h1x0").mkdir()
     (out / ".squash-tmp-epoch_2.k2j4h1x0" / "model-00001-of-00003.safetensors").write_bytes(b"x")

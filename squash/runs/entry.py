@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from squash.training.config_checks import ConfigKeyError
+from squash.config.keys import ConfigKeyError
 
 
 def one_line(err: BaseException) -> str:
@@ -35,7 +35,7 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
     """
     from omegaconf.errors import OmegaConfBaseException
 
-    from squash.training.manifest import CheckpointIntegrityError
+    from squash.runs.manifest import CheckpointIntegrityError
 
     try:
         yield

@@ -23,11 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune import config, training
 
+from squash.config.blocks import builder_block
+from squash.config.keys import ConfigKeyError
 from squash.modules.adapter import state_dict_key
 from squash.nf4 import SecondMoment
 from squash.nf4.base_outliers import outlier_modules, parse_base_outliers, set_corrected_base_
-from squash.training.config_checks import ConfigKeyError, builder_block
-from squash.training.distributed import shard_nf4_like
+from squash.nf4.sharding import shard_nf4_like
 
 __all__ = [
     "apply_base_outliers_",
@@ -142,7 +143,7 @@ def apply_base_outliers_(
     :func:`~squash.nf4.base_outliers.set_corrected_base_`).
 
     In a model sharded by FSDP2 (and not yet run: FSDP2 takes the new parameters at its lazy
-    init, as after :func:`~squash.training.distributed.load_full_state_dict`) each process splits
+    init, as after :func:`~squash.assembly.fsdp.load_full_state_dict`) each process splits
     the full weight, as one device does, and keeps its row shard of the NF4 base; ``S`` is kept
     whole on every process, on ``device``.
 

@@ -6,9 +6,9 @@ Every recipe writes :func:`recipe_state` into its checkpoints and reads it back 
 :func:`find_resume_state`, so a run resumes the same way whichever recipe wrote it.
 
 Resume only what was written, and only with the run that wrote it: :func:`find_resume_state`
-finds the newest checkpoint in ``output_dir`` (:func:`squash.training.checkpoint.latest_checkpoint`,
+finds the newest checkpoint in ``output_dir`` (:func:`squash.runs.checkpoint.latest_checkpoint`,
 refusing a damaged one rather than silently taking an older one), verifies every file against
-``checkpoint.json`` (:mod:`squash.training.manifest`), loads ``recipe_state.pt``, checks its
+``checkpoint.json`` (:mod:`squash.runs.manifest`), loads ``recipe_state.pt``, checks its
 counters, and compares the run's config with the one the checkpoint recorded
 (:func:`config_changes`).
 
@@ -30,9 +30,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
-from squash.training import checkpoint as ckpt
-from squash.training import manifest
-from squash.training.config_checks import ConfigKeyError
+from squash.config.keys import ConfigKeyError
+from squash.runs import checkpoint as ckpt
+from squash.runs import manifest
 
 log = logging.getLogger(__name__)
 tune_log = utils.get_logger("INFO")  # torchtune's logger, which the recipes log to
@@ -73,7 +73,7 @@ def recipe_state(
         optimizer (Dict[str, Any]): the optimizer's (full) state dict.
         lr_scheduler (Any): the lr scheduler, or None.
         dataloader (Any): the data loader's state (one per rank in a distributed run).
-        rng (Any): :func:`squash.training.checkpoint.rng_state` (one per rank likewise).
+        rng (Any): :func:`squash.runs.checkpoint.rng_state` (one per rank likewise).
     """
     return {
         **counters,
@@ -211,7 +211,7 @@ def check_inputs(resume_dir: Path, meta: Dict[str, Any], output_dir: Path, cfg: 
     """Refuse a resume whose input files (base model weights, data and tokenizer files) changed
     since the run that wrote ``resume_dir`` read them, unless ``resume_allow_config_change:
     True``. This run's hashes are those its lock recorded when it started
-    (:class:`squash.training.run_lock.RunLock`), so nothing is hashed twice; a process that does
+    (:class:`squash.runs.run_lock.RunLock`), so nothing is hashed twice; a process that does
     not hold the lock (a distributed run's other ranks) leaves the check to the one that does.
 
     Raises:
@@ -219,7 +219,7 @@ def check_inputs(resume_dir: Path, meta: Dict[str, Any], output_dir: Path, cfg: 
     """
     import os
 
-    from squash.training.run_lock import read_lock
+    from squash.runs.run_lock import read_lock
 
     now = read_lock(output_dir)
     if now is None or now.get("pid") != os.getpid():

@@ -9,8 +9,8 @@ import torch
 from squash.export import adapters
 from squash.export.adapters import Exports
 from squash.modules import sparse_lora_linear
-from squash.training import checkpoint as ckpt
-from squash.training import manifest
+from squash.runs import checkpoint as ckpt
+from squash.runs import manifest
 
 
 class _Writer:

@@ -14,22 +14,19 @@ from torch import nn
 from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
-from squash.training import checkpoint as ckpt
-from squash.nf4.base_outliers import outlier_modules
-from squash.training.adapter_init import (
+from squash.assembly.adapter_init import (
     initial_adapter_state_dict,
     loftq_initial_state,
     svd_initial_state,
 )
-from squash.training.calibration import (
-    apply_base_outliers_,
-    input_width,
-    model_second_moments,
-)
-from squash.training.config_checks import ConfigKeyError, builder_block
-from squash.training.distributed import broadcast, load_full_state_dict
+from squash.assembly.calibration import apply_base_outliers_, input_width, model_second_moments
+from squash.assembly.fsdp import broadcast, load_full_state_dict
+from squash.config.blocks import builder_block
+from squash.config.keys import ConfigKeyError
+from squash.modules import FFILinear, get_adapter_modules, use_squash_nf4_
 from squash.modules.adapter import adapter_layout, dense_adapter
+from squash.nf4.base_outliers import outlier_modules
+from squash.runs import checkpoint as ckpt
 from squash.training.masks import MaskUpdateSchedule
 from squash.training.memory import base_memory, outlier_memory
 
@@ -162,7 +159,7 @@ def assemble_adapter_model(
         cfg_model (DictConfig): the ``model`` block; ``init: svd`` initialises the adapters from
             the singular vectors of the base weights, ``init: loftq`` (with
             ``loftq_iterations``, default 1) from LoftQ's alternation with NF4
-            (:func:`~squash.training.adapter_init.loftq_initial_state`).
+            (:func:`~squash.assembly.adapter_init.loftq_initial_state`).
         base_state_dict (Dict[str, torch.Tensor]): the base model's weights (torchtune keys).
         device (torch.device): the compute device.
         dtype (torch.dtype): parameter dtype.
@@ -181,7 +178,7 @@ def assemble_adapter_model(
             ``model.base_outliers`` with ``criterion: sensitivity``.
 
     With ``model.base_outliers`` each NF4 base is split, after the load, into ``NF4(W - S)``
-    and its outliers ``S`` (:mod:`squash.training.calibration`; the sensitivity criterion's
+    and its outliers ``S`` (:mod:`squash.assembly.calibration`; the sensitivity criterion's
     second moments measured on the unquantized model first): ``S`` is rebuilt from the base
     weights on every assembly, never read from a checkpoint. Sharded, each process keeps its
     rows of the NF4 base and the whole ``S``.

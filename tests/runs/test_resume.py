@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from squash.training import resume
+from squash.runs import resume
 
 SAVED = {
     "output_dir": "/a", "batch_size": 4, "seed": 1, "epochs": 2,
@@ -39,7 +39,7 @@ def test_a_changed_batch_size_is_refused_naming_the_override_key_which_accepts_i
     with pytest.raises(ValueError, match=r"batch_size: 4 in the checkpoint, 8 now.*"
                                          r"resume_allow_config_change=True"):
         resume.check_config(tmp_path, SAVED, _cfg(batch_size=8))
-    with caplog.at_level(logging.WARNING, logger="squash.training.resume"):
+    with caplog.at_level(logging.WARNING, logger="squash.runs.resume"):
         resume.check_config(tmp_path, SAVED, _cfg(batch_size=8, resume_allow_config_change=True))
     assert "batch_size: 4 in the checkpoint, 8 now" in caplog.text
     resume.check_config(tmp_path, SAVED, _cfg())  # unchanged: nothing to say

@@ -5,7 +5,7 @@ draws its adapters from the global RNG in between its base weights, so the same 
 different adapters on one device and on N. Here each adapter is drawn from its own CPU generator,
 seeded by the run's seed and the module's name, so every recipe, every rank and every world size
 starts from the same adapter. The result is a state dict: load it with ``load_state_dict``
-(one device) or :func:`squash.training.distributed.load_full_state_dict` (sharded).
+(one device) or :func:`squash.assembly.fsdp.load_full_state_dict` (sharded).
 """
 
 import zlib

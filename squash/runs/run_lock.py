@@ -10,7 +10,7 @@
    run's lifetime on that file and on ``output_dir`` itself (so deleting the file's path does
    not let a second run in), the file naming the process (pid, host, start time, command) and
    holding the run's resolved config (each checkpoint copies it into ``checkpoint.json``, for
-   the resume check of :mod:`squash.training.resume`), the sha256 of each file of the
+   the resume check of :mod:`squash.runs.resume`), the sha256 of each file of the
    base model (``checkpointer.checkpoint_dir``; copied too, for an export or chat that merges
    the adapter into that base, and for the resume check) and of each data and tokenizer file
    the run reads. The kernel drops a ``flock`` when its process dies, however it dies: a lock
@@ -34,8 +34,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from squash._temporaries import process_alive
-from squash.training import manifest
-from squash.training.config_checks import ConfigKeyError
+from squash.config.keys import ConfigKeyError
+from squash.runs import manifest
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class RunLock:
     Args:
         output_dir (Path): the run's output directory (created if missing).
         run_config (Optional[Dict[str, Any]]): the run's resolved config, recorded in the lock.
-        base (Optional[Dict[str, Any]]): :func:`squash.training.manifest.directory_record` of
+        base (Optional[Dict[str, Any]]): :func:`squash.runs.manifest.directory_record` of
             the base model, recorded in the lock (each checkpoint copies it).
         inputs (Optional[Dict[str, Dict[str, Any]]]): :func:`input_record` of the files the
             run reads (data, tokenizer), recorded in the lock (each checkpoint copies it).
@@ -369,7 +369,7 @@ def refuse_used_output_dir(cfg: DictConfig) -> None:
 
 def claim(cfg: DictConfig, *, lock: bool = True, trains: bool = True) -> Optional[RunLock]:
     """Check ``output_dir`` against what ``cfg`` reads, verify the squash checkpoints it reads
-    (:func:`squash.training.manifest.verify_inputs`), refuse a fresh training run into a
+    (:func:`squash.runs.manifest.verify_inputs`), refuse a fresh training run into a
     directory holding checkpoints (:func:`refuse_used_output_dir`) and, with ``lock``, take its
     lock. Call it before anything is written (logs, the config copy, checkpoints); on the
     non-zero ranks of a distributed run pass ``lock=False`` (rank 0 owns the directory).
@@ -404,7 +404,7 @@ def claim(cfg: DictConfig, *, lock: bool = True, trains: bool = True) -> Optiona
 
 
 def _base_record(cfg: DictConfig) -> Optional[Dict[str, Any]]:
-    """:func:`squash.training.manifest.directory_record` of ``checkpointer.checkpoint_dir``
+    """:func:`squash.runs.manifest.directory_record` of ``checkpointer.checkpoint_dir``
     (None without one): what an export or chat merging an adapter-only checkpoint checks."""
     base = _get(cfg, "checkpointer.checkpoint_dir")
     if not isinstance(base, str) or not Path(base).is_dir():
@@ -416,7 +416,7 @@ def input_record(cfg: DictConfig) -> Dict[str, Dict[str, Any]]:
     """``{key: {"path", "sha256", "size"}}`` of each file (not directory) the config reads
     besides the base model (:func:`read_paths`: dataset files, tokenizer files), recorded when a
     run starts so that a resume notices a file edited in place
-    (:func:`squash.training.resume.check_inputs`)."""
+    (:func:`squash.runs.resume.check_inputs`)."""
     record = {}
     for key, path, is_dir in read_paths(cfg):
         if not is_dir and Path(path).is_file():

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torchtune.modules.peft import LoRALinear
 
+from squash.assembly.adapter_init import initial_adapter_state_dict, svd_initial_state
 from squash.models.opt import qlora_opt_tiny, squash_opt_tiny
 from squash.modules import FFILinear, SparseLoRALinear, svd_initialize
 from squash.sparsity.ffi import validate_ffi
-from squash.training.adapter_init import initial_adapter_state_dict, svd_initial_state
 
 ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 

@@ -9,11 +9,12 @@ import torch
 from omegaconf import OmegaConf
 
 import squash  # noqa: F401
+from squash.assembly.model_setup import assemble_adapter_model
+from squash.config.keys import ConfigKeyError
+from squash.config.values import check_model_values
 from squash.models.opt import lora_opt_tiny
 from squash.modules import SparseLoRALinear, get_adapter_modules
 from squash.nf4 import NF4Tensor, nf4_dequantize, to_nf4
-from squash.training.config_checks import ConfigKeyError, check_model_values
-from squash.training.model_setup import assemble_adapter_model
 
 ATTN = ["q_proj", "v_proj"]
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from squash.training.overrides import bad_override, describe
+from squash.config.overrides import bad_override, describe
 
 from tests.helpers import tune_run
 

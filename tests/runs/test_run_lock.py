@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from squash.training import run_lock
-from squash.training.config_checks import ConfigKeyError
+from squash.config.keys import ConfigKeyError
+from squash.runs import run_lock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_a_teacher_and_an_adapter_dir_count_as_inputs(tmp_path):
 
 _HOLD = """
 import sys, time
-from squash.training.run_lock import RunLock
+from squash.runs.run_lock import RunLock
 lock = RunLock(sys.argv[1], {"seed": 1})
 print("locked", flush=True)
 time.sleep(600)
@@ -115,7 +115,7 @@ def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (tmp_path / run_lock.LOCK_FILE).exists()  # left behind by the killed run
-    with caplog.at_level(logging.WARNING, logger="squash.training.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="squash.runs.run_lock"):
         lock = run_lock.RunLock(tmp_path, {"seed": 2})
     assert f"taking over the lock of an earlier run (pid {proc.pid}" in caplog.text
     assert "no longer running" in caplog.text

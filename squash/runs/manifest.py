@@ -1,6 +1,6 @@
 """``checkpoint.json``: what a checkpoint directory holds, so that a changed byte is refused.
 
-The writer (:func:`squash.training.checkpoint.write_checkpoint`) calls :func:`write_meta` last,
+The writer (:func:`squash.runs.checkpoint.write_checkpoint`) calls :func:`write_meta` last,
 once every other file is in the temporary directory. ``checkpoint.json`` then records:
 
 - ``epoch``, ``global_step``: as before (what ``latest_checkpoint`` orders by);
@@ -8,14 +8,14 @@ once every other file is in the temporary directory. ``checkpoint.json`` then re
   ``steps_in_epoch``, ``seed``, ``total_epochs``, ``max_steps_per_epoch``, ``world_size``);
 - ``files``: ``{relative path: {"sha256", "size"}}`` of every other file of the directory;
 - ``config``: the resolved config of the run that wrote it (from its lock, see
-  :mod:`squash.training.run_lock`; None when written outside a run);
+  :mod:`squash.runs.run_lock`; None when written outside a run);
 - ``base``: the base model the run read (``checkpointer.checkpoint_dir``) as
   :func:`directory_record` recorded it when the run started: its path and the sha256 and size
   of each of its files, so an export or chat that merges the adapter into that base can check
   it is the same (:func:`verify_directory`); None when written outside a run, and absent from
   checkpoints written before runs recorded it;
 - ``inputs``: ``{key: {"path", "sha256", "size"}}`` of the data and tokenizer files the run
-  read (:func:`squash.training.run_lock.input_record`), so a resume notices one edited in place;
+  read (:func:`squash.runs.run_lock.input_record`), so a resume notices one edited in place;
   None outside a run, absent from older checkpoints;
 - ``format``: :data:`FORMAT` (2); a reader refuses any other version, and any field not
   listed here (:data:`FIELDS`);
@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-META_FILE = "checkpoint.json"  # = squash.training.checkpoint.CHECKPOINT_META_FILE
+META_FILE = "checkpoint.json"  # = squash.runs.checkpoint.CHECKPOINT_META_FILE
 RECIPE_STATE = "recipe_state.pt"
 FORMAT = 2
 # Every field of a format-2 checkpoint.json (see the module docstring); any other is refused.
@@ -88,7 +88,7 @@ def write_meta(
         meta (Dict[str, Any]): ``epoch`` and ``global_step``.
         recipe_state (Dict[str, Any]): what ``recipe_state.pt`` holds; its counters are copied.
         lock (Optional[Dict[str, Any]]): the record of the run's lock
-            (:func:`squash.training.run_lock.read_lock` of its output directory), which names the
+            (:func:`squash.runs.run_lock.read_lock` of its output directory), which names the
             run's config, base and inputs; copied only if this process holds the lock.
 
     Returns:

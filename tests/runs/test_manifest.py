@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from squash.training import checkpoint as ckpt
-from squash.training import manifest
 from squash.export.adapters import Exports
-from squash.training.run_lock import RunLock
+from squash.runs import checkpoint as ckpt
+from squash.runs import manifest
+from squash.runs.run_lock import RunLock
 
 from tests.helpers import StubCheckpointer
 
@@ -110,8 +110,8 @@ _FULL_DISK = """
 import resource, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
 from tests.helpers import StubCheckpointer
-from squash.training import checkpoint as ckpt
 from squash.export.adapters import Exports
+from squash.runs import checkpoint as ckpt
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 try:

@@ -19,7 +19,7 @@ the OPT checkpointer uses too, and :func:`clean_stale_temporaries` undoes an int
   NF4 bases dequantized) in Hugging Face format, with ``config.json`` and the tokenizer files.
 - ``recipe_state.pt``: optimizer, lr scheduler, RNG and data position, for resume.
 - ``checkpoint.json``: epoch and global step, the counters, the sha256 and size of every other
-  file and the run's config (:mod:`squash.training.manifest`); written last, so a directory with
+  file and the run's config (:mod:`squash.runs.manifest`); written last, so a directory with
   it is complete, and resume and ``squash_eval`` verify the directory against it.
 """
 
@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from squash._io import atomic_directory, clean_stale_temporaries  # noqa: F401  (also here)
-from squash.training import manifest, run_lock
+from squash.runs import manifest, run_lock
 
 if TYPE_CHECKING:
     from squash.export.adapters import Exports
@@ -82,7 +82,7 @@ def write_checkpoint(
         exports (Exports): what :func:`squash.export.adapters.checkpoint_exports` made of the
             model: squash's adapter and config, and what ``checkpointer.save_checkpoint`` takes
             (``model``, ``adapter``, ``adapter_config``).
-        recipe_state (Dict[str, Any]): :func:`squash.training.resume.recipe_state`.
+        recipe_state (Dict[str, Any]): :func:`squash.runs.resume.recipe_state`.
         epoch (int): the epoch recorded in ``checkpoint.json``.
         global_step (int): the global step recorded there (resume picks the highest).
         adapter_only (bool): leave out the merged model.

@@ -6,12 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from squash.training.config_checks import (
-    ConfigKeyError,
-    NamedRecordErrors,
-    check_component,
-    check_values,
-)
+from squash.config.keys import ConfigKeyError, check_component
+from squash.config.values import check_values
+from squash.training.data import NamedRecordErrors
 
 
 @pytest.mark.parametrize("key, value, message", [
