@@ -33,6 +33,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 
 from common import host  # noqa: E402
+import regime_plan  # noqa: E402
 from frontier_plan import arms, plan  # noqa: E402
 from quality_curves import (  # noqa: E402
     EVAL_BATCH, IGNORE, RESULTS as CURVES, WORK as CURVES_WORK, BestState, Claim, _n_train,
@@ -45,6 +46,36 @@ RESULTS = CURVES.with_name("frontier")
 WORK = CURVES_WORK.with_name("frontier")
 DEFAULT_CKPT = Path.home() / ".cache" / "squash" / "smollm2-135m-instruct"
 FORGET_WINDOWS, FORGET_LEN = 16, 256
+
+
+def is_candidate(task: str) -> bool:
+    """Whether ``task`` is one of the regime search's candidates (``regime_plan``)."""
+    return task in regime_plan.CANDIDATES
+
+
+def task_size(task: str, quick: bool) -> dict:
+    if is_candidate(task):
+        return dict(regime_plan.QUICK_SIZE if quick else regime_plan.SIZE)
+    return dict(QUICK if quick else FULL)
+
+
+def task_arms(task: str, steps: int) -> dict:
+    return regime_plan.arms(steps) if is_candidate(task) else arms(steps)
+
+
+def task_plan(task: str):
+    return regime_plan.plan if is_candidate(task) else plan
+
+
+def text_split(task: str, tok, split: str, n: int) -> list:
+    """``n`` windows of a text candidate's split, spread over it (scored on every token)."""
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    t = TASKS[task]
+    ds = config.instantiate(OmegaConf.create({"_component_": t["dataset"], **t.get("args", {})}),
+                            tok, split=split, max_windows=n)  # fmt: skip
+    return [dict(ds[i], required=0) for i in range(len(ds))]
 
 
 def forget_split(tok, n: int = FORGET_WINDOWS) -> list:
@@ -165,14 +196,19 @@ def run_full(task: str, arm: dict, lr: float, seed: int, *, size: dict, ckpt: Pa
 def state(results: Path, curves: Path, task: str, size: dict, quick: bool) -> tuple:
     """``(done, mine, points, ref)`` for :func:`frontier_plan.plan`: the learning curves' and
     the frontier's finished runs, the frontier's alone, each finished arm's best-rate seed-0
-    best-point test loss, and QLoRA r=16's (mean, std) over its seeds (None before 2 seeds)."""
+    best-point test loss, and QLoRA r=16's (mean, std) over its seeds (None before 2 seeds).
+    For a regime candidate ``ref`` is each arm's seeds' best-point test losses
+    (``regime_plan.plan``'s ``seeds``)."""
     from frontier_report import best_point, groups
 
     mine = load_done(results / task, size["steps"])
     done = {**load_done(curves / task, size["steps"]), **mine}
-    g = groups(done, size["steps"], arms(size["steps"]))
+    g = groups(done, size["steps"], task_arms(task, size["steps"]))
     points = {k: best_point(row["seeds"][0])["test"]["loss"] for k, row in g.items()
               if row["seeds"] and row["seeds"][0]["seed"] == 0}  # fmt: skip
+    if is_candidate(task):
+        seeds = {k: [best_point(r)["test"]["loss"] for r in row["seeds"]] for k, row in g.items()}
+        return done, mine, points, seeds
     ref = None
     r16 = g.get("qlora_r16")
     if r16 is not None and len(r16["seeds"]) >= 2:
@@ -183,8 +219,14 @@ def state(results: Path, curves: Path, task: str, size: dict, quick: bool) -> tu
     return done, mine, points, ref
 
 
+def queue(task: str, results: Path, curves: Path, quick: bool) -> list:
+    """``task``'s runs still to do, stage by stage, each in its plan's order."""
+    size = task_size(task, quick)
+    return sorted(task_plan(task)(task, *state(results, curves, task, size, quick), size["steps"],
+                                  quick=quick), key=lambda q: q[0])  # fmt: skip
+
+
 def work_loop(args) -> None:
-    size = dict(QUICK if args.quick else FULL)
     tasks = args.tasks.split(",")
     results, curves, work = _dirs(args)
     if args.threads:
@@ -199,35 +241,34 @@ def work_loop(args) -> None:
     from squash.models.smollm2 import smollm2_tokenizer
 
     ckpt = Path(args.checkpoint_dir or DEFAULT_CKPT)
-    by_key = arms(size["steps"])
     cache, ran = {}, 0
     while args.max_runs is None or ran < args.max_runs:
         todo = None
-        for task in tasks:
-            queue = sorted(plan(task, *state(results, curves, task, size, args.quick),
-                                size["steps"], quick=args.quick), key=lambda q: q[0])  # fmt: skip
-            for _, rid, key, lr, seed in queue:
-                try:
-                    claim = Claim(work, f"{task}_{rid}")
-                except OSError:
-                    continue
-                todo = (task, rid, key, lr, seed, claim)
-                break
-            if todo:
-                break
+        # every task's queue together, stage by stage, tasks in the order given
+        every = sorted(((q[0], i, task, *q[1:]) for i, task in enumerate(tasks)
+                        for q in queue(task, results, curves, args.quick)), key=lambda q: q[:2])  # fmt: skip
+        for _, _, task, rid, key, lr, seed in every:
+            try:
+                claim = Claim(work, f"{task}_{rid}")
+            except OSError:
+                continue
+            todo = (task, rid, key, lr, seed, claim)
+            break
         if todo is None:
             print("nothing left to run (or everything left is claimed)", flush=True)
             return
         task, rid, key, lr, seed, claim = todo
+        size = task_size(task, args.quick)
         try:
             if task not in cache:
                 tok = smollm2_tokenizer(str(ckpt), max_seq_len=TASKS[task]["max_seq_len"])
-                data = {"val": load_split(task, tok, "validation", size["n_val"]),
-                        "test": load_split(task, tok, "test", size["n_test"]),
+                split = text_split if is_candidate(task) else load_split
+                data = {"val": split(task, tok, "validation", size["n_val"]),
+                        "test": split(task, tok, "test", size["n_test"]),
                         "forget": forget_split(tok, 2 if args.quick else FORGET_WINDOWS)}  # fmt: skip
-                cache[task] = (data, _n_train(task))
+                cache[task] = (data, n_train_of(task, tok))
             data, n_train = cache[task]
-            arm = by_key[key]
+            arm = task_arms(task, size["steps"])[key]
             print(f"[{task} {rid}] starting ({arm['name']}, lr {lr:.0e}, seed {seed})", flush=True)
             out = results / task / f"{rid}.json"
             if arm.get("full"):
@@ -240,6 +281,18 @@ def work_loop(args) -> None:
         ran += 1
 
 
+def n_train_of(task: str, tok) -> int:
+    """Training samples (windows, for a text candidate) of ``task``."""
+    if not is_candidate(task):
+        return _n_train(task)
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    t = TASKS[task]
+    return len(config.instantiate(OmegaConf.create({"_component_": t["dataset"],
+                                                    **t.get("args", {})}), tok, split="train"))  # fmt: skip
+
+
 def _dirs(args) -> tuple:
     quick = "_quick" if args.quick else ""
     results = args.results or RESULTS.with_name("frontier" + quick)
@@ -249,20 +302,18 @@ def _dirs(args) -> tuple:
 
 
 def status(args) -> str:
-    size = dict(QUICK if args.quick else FULL)
     results, curves, work = _dirs(args)
     out = []
     for task in args.tasks.split(","):
-        done, mine, points, ref = state(results, curves, task, size, args.quick)
-        queue = sorted(plan(task, done, mine, points, ref, size["steps"], quick=args.quick),
-                       key=lambda q: q[0])  # stage by stage, each in the plan's order
+        mine = load_done(results / task, task_size(task, args.quick)["steps"])
+        todo = queue(task, results, curves, args.quick)
         running = []
-        for q in queue:
+        for q in todo:
             try:
                 Claim(work, f"{task}_{q[1]}").release()
             except OSError:
                 running.append(q[1])
-        waiting = [q[1] for q in queue if q[1] not in running]
+        waiting = [q[1] for q in todo if q[1] not in running]
         out.append(f"{task}: {len(mine)} frontier runs done; running: "
                    f"{', '.join(running) or 'none'}; queued now: {len(waiting)}"
                    + (f" (next {', '.join(waiting[:4])})" if waiting else ""))  # fmt: skip

@@ -108,6 +108,15 @@ def centred(lr: float, ladder=LADDER) -> list:
     return ladder[max(0, i - 1) : i + 2]
 
 
+def _order(arm: dict) -> tuple:
+    """The queue's order of arms: r=16's budget, then the smaller budgets outward (what the
+    headline needs: the same quality for less memory), then the larger ones, full
+    fine-tuning last; lines interleaved at each budget."""
+    b = arm["budget"]
+    return (b is None, (b or 16) > 16, abs(math.log2((b or 16) / 16)), LINES.index(arm["line"])
+            if arm["line"] in LINES else 0)  # fmt: skip
+
+
 def sweeps(done: dict, by_key: dict, quick: bool = False) -> tuple:
     """``({arm: lrs still to run}, {arm: best lr or None})`` of every arm's sweep, from the
     finished seed-0 runs in ``done`` (the learning curves' and the frontier's together).
@@ -118,8 +127,7 @@ def sweeps(done: dict, by_key: dict, quick: bool = False) -> tuple:
     def state(key, grid, ladder=LADDER):
         return sweep_state(done, key, grid[1:2] if quick else grid, widen, ladder)
 
-    order = sorted(by_key, key=lambda k: (by_key[k]["budget"] is None,
-                                          abs(math.log2((by_key[k]["budget"] or 16) / 16))))  # fmt: skip
+    order = sorted(by_key, key=lambda k: _order(by_key[k]))
     for key in order:
         arm = by_key[key]
         if arm.get("full"):
@@ -173,8 +181,7 @@ def plan(task: str, done: dict, mine: dict, points: dict, ref: tuple, steps: int
         by_key = {k: by_key[k] for k in QUICK_ARMS}
     todo, best = sweeps(done, by_key, quick)
     out = []
-    for key in sorted(todo, key=lambda k: (by_key[k]["budget"] is None,
-                                           abs(math.log2((by_key[k]["budget"] or 16) / 16)))):  # fmt: skip
+    for key in sorted(todo, key=lambda k: _order(by_key[k])):
         out += [(0, run_id(key, lr, 0), key, lr, 0) for lr in todo[key]]
     for key in ("qlora_r16", "squash", "squash_a"):
         if best[key] is not None and run_id(key, best[key], 0) not in mine:

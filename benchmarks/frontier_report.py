@@ -182,6 +182,45 @@ def plot(path: Path, s: dict, task: str) -> None:
     save_png(fig, path)
 
 
+def regime_report(task: str, done: dict, size: dict) -> list:
+    """The markdown of one regime candidate: each arm at its best rate (best-point test loss
+    per token over its seeds, the general text's rise), dense r=128 against QLoRA r=16 in pooled
+    seed standard deviations, and what share of that gap squash at r=16's memory captures."""
+    import regime_plan
+
+    by_key = regime_plan.arms(size["steps"])
+    s = summary(groups(done, size["steps"], by_key), by_key)
+    lines = [f"### {task} (regime candidate)", ""]
+    if not s:
+        return lines + ["No finished run yet.", ""]
+    lines += ["| arm | memory x QLoRA r=16 | lr sweep: final val loss | best lr | seeds | steps kept "
+              "| test loss per token | general-text rise over step 0 |",
+              "|---|---:|---|---:|---:|---|---:|---:|"]  # fmt: skip
+    for key in [k for k in by_key if k in s]:
+        a = s[key]
+        sweep = "; ".join((f"**{lr:.0e}: {final(r)['val']['loss']:.3f}**" if lr == a["lr"] else
+                           f"{lr:.0e}: {final(r)['val']['loss']:.3f}")
+                          for lr, r in sorted(a["sweep"].items()))  # fmt: skip
+        rise = f"{statistics.fmean(a['rise']):+.3f}" if a["rise"] else "n/a"
+        lines.append(f"| {a['arm']['name']} | {a['arm']['vs_qlora_r16']:.2f} | {sweep} | "
+                     f"{a['lr']:.0e} | {len(a['loss'])} | {', '.join(map(str, a['steps']))} | "
+                     f"{_pm(a['loss'])} | {rise} |")  # fmt: skip
+    dense, r16 = s.get("qlora_r128"), s.get("qlora_r16")
+    if dense and r16:
+        sds, pays = regime_plan.rank_pays(dense["loss"], r16["loss"])
+        gap = statistics.fmean(r16["loss"]) - statistics.fmean(dense["loss"])
+        lines += ["", f"Dense r=128 against QLoRA r=16: {gap:+.4f} nats"
+                  + ("" if sds is None else f", {sds:.1f} pooled seed SDs: rank "
+                     + ("pays" if pays else "does not pay") + f" (threshold {regime_plan.PAYS_SDS:g})")
+                  + "."]  # fmt: skip
+        for key in regime_plan.SQUASH:
+            if key in s and gap != 0:
+                got = statistics.fmean(r16["loss"]) - statistics.fmean(s[key]["loss"])
+                lines.append(f"- {s[key]['arm']['name']}: {got:+.4f} nats below QLoRA r=16, "
+                             f"{got / gap:.0%} of dense's gain.")  # fmt: skip
+    return lines + [""]
+
+
 def report(results: Path, curves: Path, tasks: list, size: dict, png_dir: Path = None) -> str:
     """The markdown of every task (and a PNG per task beside ``results``; with ``png_dir``, a
     copy of each as ``png_dir/frontier_<task>.png``)."""
@@ -191,7 +230,13 @@ def report(results: Path, curves: Path, tasks: list, size: dict, png_dir: Path =
     lines = ["# The quality-per-byte frontier", "",
              f"Written by `python benchmarks/frontier.py report` from the run files in `{rel}/` "
              "(and, for the sweeps of the arms at QLoRA r=16's budget, the learning curves').", ""]  # fmt: skip
+    import regime_plan
+
     for task in tasks:
+        if task in regime_plan.CANDIDATES:
+            steps = regime_plan.SIZE["steps"]
+            lines += regime_report(task, load_done(results / task, steps), regime_plan.SIZE)
+            continue
         done = {**load_done(curves / task, size["steps"]), **load_done(results / task, size["steps"])}
         text, s = task_report(task, done, size)
         lines += text

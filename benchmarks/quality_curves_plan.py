@@ -232,7 +232,7 @@ def recipe_config(task: str, arm: dict, lr: float, seed: int, frac: float, run_d
     elif arm.get("base") == "outliers":
         model["base_outliers"] = dict(arm["base_outliers"])
     steps, every = size["steps"], size["eval_every"]
-    dataset = dict(_component_=TASKS[task]["dataset"], split="train")
+    dataset = dict(_component_=TASKS[task]["dataset"], split="train", **TASKS[task].get("args", {}))
     if frac != 1.0:
         dataset["max_samples"] = max(size["batch"], round(frac * n_train))
     batches = (dataset.get("max_samples", n_train)) // size["batch"]

@@ -2,10 +2,18 @@
 
 from squash.datasets.pydoc_text import (
     PydocTextDataset,
+    encipher,
+    letter_cipher,
     pydoc_documents,
     pydoc_text,
     pydoc_text_dataset,
     pydoc_topics,
+)
+from squash.datasets.python_code import (
+    PythonCodeDataset,
+    python_code_dataset,
+    python_code_files,
+    python_code_text,
 )
 from squash.datasets.python_docs import (
     PythonDocsDataset,
@@ -23,13 +31,19 @@ from squash.datasets.unicode_names import (
 
 __all__ = [
     "PydocTextDataset",
+    "PythonCodeDataset",
     "PythonDocsDataset",
     "UnicodeNamesDataset",
     "characters",
+    "encipher",
+    "letter_cipher",
     "pydoc_documents",
     "pydoc_text",
     "pydoc_text_dataset",
     "pydoc_topics",
+    "python_code_dataset",
+    "python_code_files",
+    "python_code_text",
     "python_doc_items",
     "python_doc_splits",
     "python_docs_dataset",

@@ -24,6 +24,7 @@ is predicted (plain text completion, no chat template).
 
 import functools
 import random
+import string
 from typing import Any, Dict, List, Optional, Tuple
 
 from torch.utils.data import Dataset
@@ -123,6 +124,27 @@ def pydoc_text(split: str = "train", seed: int = 0) -> str:
     return DOCUMENT_SEPARATOR.join(text for _, text in pydoc_documents(seed)[split])
 
 
+def letter_cipher(seed: int) -> Dict[str, str]:
+    """A substitution cipher of the 26 Latin letters: ``{plain: cipher}``, lower case (upper
+    case maps alike), a permutation drawn with ``random.Random(seed)`` in which no letter maps to
+    itself (re-drawn until so)."""
+    letters = list(string.ascii_lowercase)
+    rng = random.Random(seed)
+    while True:
+        perm = letters[:]
+        rng.shuffle(perm)
+        if all(a != b for a, b in zip(letters, perm)):
+            return dict(zip(letters, perm))
+
+
+def encipher(text: str, seed: int) -> str:
+    """``text`` with every Latin letter replaced by :func:`letter_cipher`'s (case kept);
+    everything else (digits, punctuation, white space) as it was."""
+    table = letter_cipher(seed)
+    table.update({a.upper(): b.upper() for a, b in list(table.items())})
+    return text.translate(str.maketrans(table))
+
+
 class PydocTextDataset(Dataset):
     """Fixed-length token windows of one split of the Language Reference text, for text
     completion: ``{"tokens": [...], "labels": [...]}`` with ``labels == tokens``.
@@ -133,6 +155,9 @@ class PydocTextDataset(Dataset):
         max_seq_len (int): tokens per window. Default 256.
         seed (int): the split's seed (:func:`pydoc_documents`). Default 0.
         max_windows (Optional[int]): keep the first ``max_windows`` windows. Default None.
+        cipher_seed (Optional[int]): encipher the text first (:func:`encipher`: every letter
+            through a fixed substitution), a language the model has never read whose structure
+            is English's. Default None (plain text).
 
     Raises:
         ValueError: an unknown split, a ``max_seq_len`` below 2, a ``max_windows`` below 1, or a
@@ -146,11 +171,15 @@ class PydocTextDataset(Dataset):
         max_seq_len: int = 256,
         seed: int = 0,
         max_windows: Optional[int] = None,
+        cipher_seed: Optional[int] = None,
     ) -> None:
         check_int("max_seq_len", max_seq_len, 2)
         if max_windows is not None:
             check_int("max_windows", max_windows, 1)
-        ids = tokenizer.encode(pydoc_text(split, seed), add_bos=False, add_eos=False)
+        text = pydoc_text(split, seed)
+        if cipher_seed is not None:
+            text = encipher(text, check_int("cipher_seed", cipher_seed, 0))
+        ids = tokenizer.encode(text, add_bos=False, add_eos=False)
         n = len(ids) // max_seq_len
         if n == 0:
             raise ValueError(
@@ -177,9 +206,11 @@ def pydoc_text_dataset(
     max_seq_len: int = 256,
     seed: int = 0,
     max_windows: Optional[int] = None,
+    cipher_seed: Optional[int] = None,
 ) -> PydocTextDataset:
     """Builder of :class:`PydocTextDataset` for configs:
     ``dataset: {_component_: squash.datasets.pydoc_text_dataset, split: train, max_seq_len: 256}``."""
     return PydocTextDataset(
-        tokenizer, split=split, max_seq_len=max_seq_len, seed=seed, max_windows=max_windows
-    )
+        tokenizer, split=split, max_seq_len=max_seq_len, seed=seed, max_windows=max_windows,
+        cipher_seed=cipher_seed,
+    )  # fmt: skip

@@ -173,3 +173,51 @@ def test_report_summary_and_headline_by_hand():
     assert "QLoRA r=16 at 1.000x" in lines[1]  # r=8 at 0.75 does not match
     assert "squash r=71, A+B 90% (= QLoRA r=8) at 0.497x" in lines[2]
     assert lines[3].endswith("no finished budget matches.")
+
+
+# ---- the regime search ----------------------------------------------------------------------
+def test_rank_pays_is_the_gap_over_the_pooled_sd():
+    import numpy as np
+    import regime_plan as rp
+
+    dense, r16 = [2.00, 2.01, 2.02], [2.10, 2.12, 2.11]
+    pooled = np.sqrt((np.var(dense, ddof=1) * 2 + np.var(r16, ddof=1) * 2) / 4)
+    sds, pays = rp.rank_pays(dense, r16)
+    assert abs(sds - (np.mean(r16) - np.mean(dense)) / pooled) < 1e-9 and pays
+    sds, pays = rp.rank_pays([2.00, 2.05, 2.10], [2.05, 2.10, 2.15])
+    assert abs(sds - 1.0) < 1e-9 and not pays  # 0.05 nats over a pooled sd of 0.05
+    assert rp.rank_pays([2.0], [2.1]) == (None, None)
+
+
+def test_regime_plan_screens_then_seeds_then_squash_where_rank_pays():
+    import regime_plan as rp
+
+    arms = rp.arms(200)
+    assert arms["qlora_r128"]["adapter_bytes"] == hand_bytes(128)
+    assert arms["qlora_r128"]["vs_qlora_r16"] == hand_bytes(128) / hand_bytes(16)
+
+    def rec(arm, lr, seed, val):
+        r = record("qlora_r16", lr, seed, val)
+        r.update(id=qp.run_id(arm, lr, seed), arm=arms[arm])
+        return r
+
+    p = rp.plan("code", {}, {}, {}, {}, 200)
+    assert [(q[0], q[2], q[3]) for q in p] == [(0, "qlora_r16", 1e-3), (0, "qlora_r16", 3e-3),
+                                               (0, "qlora_r128", 3e-4), (0, "qlora_r128", 1e-3)]  # fmt: skip
+    d = done_of(rec("qlora_r16", 1e-3, 0, 1.1), rec("qlora_r16", 3e-3, 0, 1.2),
+                rec("qlora_r128", 3e-4, 0, 1.0), rec("qlora_r128", 1e-3, 0, 0.9))  # fmt: skip
+    p = rp.plan("code", d, {}, {}, {}, 200)
+    # r16 best inside (1e-3 is the low edge: widened to 3e-4); r128 best at its high edge
+    assert [(q[0], q[2], q[3]) for q in p if q[0] == 0] == [(0, "qlora_r16", 3e-4),
+                                                            (0, "qlora_r128", 3e-3)]  # fmt: skip
+    d.update(done_of(rec("qlora_r16", 3e-4, 0, 1.3), rec("qlora_r128", 3e-3, 0, 1.4)))
+    p = rp.plan("code", d, {}, {}, {}, 200)
+    assert [(q[0], q[2], q[3], q[4]) for q in p] == [
+        (1, "qlora_r16", 1e-3, 1), (1, "qlora_r16", 1e-3, 2),
+        (1, "qlora_r128", 1e-3, 1), (1, "qlora_r128", 1e-3, 2)]  # fmt: skip
+    # seeds in: rank does not pay -> nothing more; pays -> squash's sweeps, then its seeds
+    assert rp.plan("code", d, {}, {}, {"qlora_r128": [1.0, 1.1], "qlora_r16": [1.05, 1.12]},
+                   200) == [q for q in p]  # fmt: skip
+    pays = {"qlora_r128": [1.00, 1.01, 1.02], "qlora_r16": [1.10, 1.11, 1.12]}
+    later = [(q[0], q[2], q[3]) for q in rp.plan("code", d, {}, {}, pays, 200) if q[0] >= 2]
+    assert later == [(2, k, lr) for k in ("squash", "squash_a") for lr in (1e-3, 3e-3)]
