@@ -69,8 +69,9 @@ def check_values(cfg: Mapping) -> None:
     """
     import torch
 
+    check_value_types(cfg)  # device's form first, then whether this machine has one
     device = cfg.get("device", None)
-    if isinstance(device, str) and device.split(":")[0] in ("cuda", "rocm", "hip"):
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
         if not torch.cuda.is_available():
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else (
                 f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only")
@@ -79,7 +80,6 @@ def check_values(cfg: Mapping) -> None:
                 f"(torch.cuda.is_available() is False; torch {torch.__version__}, {build}); "
                 "use device: auto or cpu, or install a GPU build of torch"
             )
-    check_value_types(cfg)
     tokenizer = cfg.get("tokenizer", None)
     if isinstance(tokenizer, Mapping):
         _check_tokenizer_files(tokenizer)
