@@ -18,6 +18,7 @@ from tests.helpers import REPO, TINY_CONFIG, logged, tune_run
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
 
+from squash.config.keys import ConfigKeyError  # noqa: E402
 from squash.runs import checkpoint as ckpt  # noqa: E402
 from squash.training import placement  # noqa: E402
 
@@ -82,3 +83,13 @@ def test_native_bf16_detected_the_recipe_trains_in_bf16(tmp_path, monkeypatch, c
     assert {v.dtype for v in adapter.values() if v.is_floating_point()} == {torch.bfloat16}
     meta = json.loads((tmp_path / "out" / "epoch_0" / "checkpoint.json").read_text())
     assert (meta["config"]["device"], meta["config"]["dtype"]) == ("cpu", "bf16")
+
+    # the same config resumed where auto picks fp32: refused, the run trained in bf16
+    monkeypatch.setattr(placement, "cpu_bf16_features", lambda: [])
+    cfg.device, cfg.dtype, cfg.resume_from_checkpoint = "auto", "auto", True
+    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
+    try:
+        with pytest.raises(ConfigKeyError, match=r"differs from the run .* dtype"):
+            recipe.setup(cfg)
+    finally:
+        recipe.cleanup()
