@@ -93,3 +93,34 @@ def test_native_bf16_detected_the_recipe_trains_in_bf16(tmp_path, monkeypatch, c
             recipe.setup(cfg)
     finally:
         recipe.cleanup()
+
+
+@pytest.mark.parametrize("recipe, cls, config", [
+    ("squash_distill", "SquashDistillRecipeSingleDevice", "opt_tiny_distill"),
+    ("squash_eval", "SquashEvalRecipe", "opt_tiny_eval"),
+    ("squash_finetune_distributed", "SquashFinetuneRecipeDistributed", "opt_tiny_distributed"),
+    ("squash_eleuther_eval", "EleutherEvalRecipe", "smollm2_eleuther_eval"),
+])  # fmt: skip
+def test_every_recipe_resolves_auto_and_logs_it_first(recipe, cls, config, tmp_path, monkeypatch,
+                                                      caplog):  # fmt: skip
+    """Each recipe's constructor (nothing built yet) on its shipped config: the line logged, the
+    torch dtype it will build in, the picked values written back into the config."""
+    if recipe == "squash_eleuther_eval":
+        pytest.importorskip("lm_eval")
+    monkeypatch.setattr(placement, "gpu_name", lambda: None)
+    monkeypatch.setattr(placement, "cpu_bf16_features", lambda: ["AVX512_BF16"])
+    cfg = OmegaConf.load(REPO / "configs" / f"{config}.yaml")
+    assert (cfg.device, cfg.dtype) == ("auto", "auto")
+    cfg.output_dir = str(tmp_path)
+    module = __import__(recipe)
+    with caplog.at_level("INFO"):
+        built = getattr(module, cls)(cfg)
+    line = "device: cpu (no GPU visible); dtype: bf16 (CPU has AVX512_BF16)"
+    assert line in caplog.text
+    dtype = built.dtype if recipe == "squash_eleuther_eval" else built._dtype
+    device = built.device if recipe == "squash_eleuther_eval" else built._device
+    assert (device, dtype) == (torch.device("cpu"), torch.bfloat16)
+    assert (cfg.device, cfg.dtype) == ("cpu", "bf16")
+    if recipe == "squash_distill":  # the tiny config's explicit teacher_dtype: fp32 stays
+        assert f"{line}; teacher_dtype: fp32 (set in config)" in caplog.text
+        assert built._teacher_dtype == torch.float32
