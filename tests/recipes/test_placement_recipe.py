@@ -124,3 +124,10 @@ def test_every_recipe_resolves_auto_and_logs_it_first(recipe, cls, config, tmp_p
     if recipe == "squash_distill":  # the tiny config's explicit teacher_dtype: fp32 stays
         assert f"{line}; teacher_dtype: fp32 (set in config)" in caplog.text
         assert built._teacher_dtype == torch.float32
+        cfg.teacher_dtype = "auto"  # and device, dtype now as recorded: set in config
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            built = module.SquashDistillRecipeSingleDevice(cfg)
+        assert ("device: cpu (set in config); dtype: bf16 (set in config); "
+                "teacher_dtype: bf16 (CPU has AVX512_BF16)") in caplog.text
+        assert built._teacher_dtype == torch.bfloat16 and cfg.teacher_dtype == "bf16"
