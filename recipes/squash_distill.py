@@ -37,7 +37,7 @@ from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
-from squash.training import data, steps
+from squash.training import data, placement, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
 
@@ -99,11 +99,15 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                     "batch_size"):  # fmt: skip
             if cfg.get(key) is None:
                 raise ConfigKeyError(f"Missing config key: {key}")
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
-        self._teacher_dtype = training.get_dtype(
-            cfg.get("teacher_dtype", None) or cfg.get("dtype", "fp32"), device=self._device
-        )
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        teacher_dtype, why = picked.dtype, "not set; = dtype"
+        if cfg.get("teacher_dtype", None) is not None:
+            teacher_dtype, why = placement.resolve_dtype(cfg.teacher_dtype, picked.device)
+            cfg.teacher_dtype = teacher_dtype
+        log.info(f"{picked.line()}; teacher_dtype: {teacher_dtype} ({why})")
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
+        self._teacher_dtype = training.get_dtype(teacher_dtype, device=self._device)
         if torch.float16 in (self._dtype, self._teacher_dtype):
             raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self._weights = {}

@@ -32,7 +32,7 @@ from squash.merge import trained_model_block
 from squash.runs import checkpoint as ckpt
 from squash.runs import run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line
-from squash.training import data
+from squash.training import data, placement
 from squash.training.heldout import next_token_loss
 
 log = utils.get_logger("INFO")
@@ -76,8 +76,10 @@ class SquashEvalRecipe(EvalRecipeInterface):
         for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size"):
             if cfg.get(key) is None:
                 raise ConfigKeyError(f"Missing config key: {key}")
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        log.info(picked.line())
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
         self._output_dir = Path(cfg.output_dir)
         self._batch_size = get_int(cfg, "batch_size", None, minimum=1)
         self._max_batches = get_int(cfg, "max_batches", None, minimum=1)

@@ -31,7 +31,7 @@ from squash.merge import export_checkpoint, missing_exports
 from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
-from squash.training import data, steps
+from squash.training import data, placement, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
 
@@ -83,8 +83,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                     "loss", "epochs", "batch_size"):  # fmt: skip
             if cfg.get(key) is None:
                 raise ConfigKeyError(f"Missing config key: {key}")
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        log.info(picked.line())
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
         if self._dtype == torch.float16:
             raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self._output_dir = Path(cfg.output_dir)

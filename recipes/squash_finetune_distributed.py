@@ -39,7 +39,7 @@ from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
 from squash.training import distributed as sq_dist
-from squash.training import data, steps
+from squash.training import data, placement, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
 
 log = utils.get_logger("INFO")
@@ -100,12 +100,15 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                     "loss", "epochs", "batch_size"):  # fmt: skip
             if cfg.get(key) is None:
                 raise ConfigKeyError(f"Missing config key: {key}")
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
-        if self._dtype == torch.float16:
-            raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        if self._is_rank_zero:
+            log.info(picked.line())
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
+        if self._dtype == torch.float16:
+            raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self._output_dir = Path(cfg.output_dir)
         self._log_every_n_steps = get_int(cfg, "log_every_n_steps", 1, minimum=1)
         self._log_peak_memory_stats = bool(cfg.get("log_peak_memory_stats", True))
