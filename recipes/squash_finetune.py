@@ -34,6 +34,7 @@ from squash.runs.entry import close_metric_logger, config_errors_in_one_line, op
 from squash.training import data, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
+from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -55,7 +56,8 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``compile`` (per decoder layer), fp32/bf16, chunked cross-entropy, lr schedules,
           torchtune's metric loggers, ``log_every_n_steps``, peak memory (max RSS on the CPU), a
-          progress bar with loss, lr and tokens/s.
+          progress bar with loss, lr and tokens/s; ``output_dir/training.png`` (loss, held-out
+          loss and exact match, lr) redrawn at each evaluation and epoch end, with matplotlib.
         - Checkpoints ``output_dir/epoch_N`` and, every ``save_every_n_steps``,
           ``output_dir/step_N`` (the newest ``keep_last_n`` kept), each written atomically: squash
           adapter, PEFT adapter, merged HF weights (unless ``save_adapter_weights_only``) and the
@@ -209,6 +211,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Last: a run that stops in set-up leaves no log file and no config copy behind (nor
         # overwrites the torchtune_config.yaml of the run it refused to resume).
         self._metric_logger = open_metric_logger(cfg)
+        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # output_dir/training.png
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
@@ -286,7 +289,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         """The training loop; step and epoch checkpoints as configured; with a ``heldout``
         block, the held-out loss and answer before the first step and after the last."""
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
         t0 = time.perf_counter()
         running_loss, num_tokens, micro = 0.0, 0, 0
         with self._profiler as prof:
@@ -368,12 +371,15 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._steps_in_epoch = 0
                 micro, running_loss, num_tokens = 0, 0.0, 0
                 self.save_checkpoint(curr_epoch)
+                self._plot.draw()
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
 
     def cleanup(self) -> None:
         """Close the metric logger (its file is removed if the run logged nothing) and release
-        ``output_dir``'s lock."""
+        ``output_dir``'s lock; the picture is redrawn first (a run stopped by an error too)."""
+        if getattr(self, "_plot", None) is not None:
+            self._plot.draw()
         close_metric_logger(getattr(self, "_metric_logger", None))
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()
