@@ -137,16 +137,16 @@ def figure(series: Series, title: str = "") -> Any:
     fig = Figure(figsize=(8, 2.4 * len(rows) + 0.6), layout="constrained")
     axes = dict(zip(rows, fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]))
 
-    def line(ax: Any, name: str, label: str, style: str = "-", scale: float = 1.0) -> None:
+    def line(ax: Any, name: str, label: str, style: str = "-", color: str = "C0") -> None:
         values = series.get(name)
         if values:
-            ax.plot(list(values), [v * scale for v in values.values()], style, label=label)
+            ax.plot(list(values), list(values.values()), style, label=label, color=color)
 
     line(axes["loss"], "loss", "training loss")
-    line(axes["loss"], HELDOUT_LOSS, "held-out loss", "o-")
+    line(axes["loss"], HELDOUT_LOSS, "held-out loss", "o-", "C1")  # held-out: orange points
     axes["loss"].set_ylabel("loss (nats/token)")
     if "exact" in rows:
-        line(axes["exact"], HELDOUT_EXACT_MATCH, "held-out exact match", "o-")
+        line(axes["exact"], HELDOUT_EXACT_MATCH, "held-out exact match", "o-", "C1")
         axes["exact"].set_ylabel("exact match (%)")
         axes["exact"].set_ylim(-2, 102)
     line(axes["lr"], "lr", "learning rate")
