@@ -45,12 +45,12 @@ def _lines(output_dir: Path):
     }
 
 
-def _redrawn_equals_the_runs_picture(output_dir: Path) -> None:
+def _redrawn_equals_the_runs_picture(output_dir: Path, steps: int = 8) -> None:
     drawn = (output_dir / "training.png").read_bytes()
     (output_dir / "training.png").unlink()
     proc = _squash_plot(output_dir)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"Wrote {output_dir / 'training.png'} (8 logged steps")
+    assert proc.stdout.startswith(f"Wrote {output_dir / 'training.png'} ({steps} logged steps")
     assert (output_dir / "training.png").read_bytes() == drawn  # the run drew all it logged
 
 
@@ -98,6 +98,22 @@ def test_a_killed_and_resumed_run_draws_one_continuous_curve(run, tmp_path):
     assert lines["training loss"] == expected == logged(tmp_path, "loss")
     assert sorted(lines["learning rate"]) == list(range(1, 9))
     _redrawn_equals_the_runs_picture(tmp_path)
+
+
+@pytest.mark.slow
+def test_squash_distill_draws_its_weighted_loss_and_held_out_evaluations(run, tmp_path):
+    proc = run(tmp_path, "epochs=1", "max_steps_per_epoch=3", *HELDOUT, recipe="squash_distill",
+               config=REPO / "configs" / "opt_tiny_distill.yaml")  # fmt: skip
+    pytest.importorskip("matplotlib")
+    lines = _lines(tmp_path)
+    assert lines["training loss"] == logged(tmp_path, "loss") and len(lines["training loss"]) == 3
+    assert lines["learning rate"] == logged(tmp_path, "lr")
+    before, after = map(float, re.search(
+        r"Held-out loss before training: ([\d.]+), after: ([\d.]+)", proc.stdout).groups())  # fmt: skip
+    heldout = lines["held-out loss"]
+    assert [round(heldout[s], 4) for s in sorted(heldout)] == [before, after]
+    assert sorted(heldout) == [0, 3]
+    _redrawn_equals_the_runs_picture(tmp_path, steps=3)
 
 
 @pytest.mark.slow
