@@ -71,6 +71,14 @@ def test_a_finished_run_draws_what_it_logged_and_printed(run, tmp_path):
     matched, of = map(int, re.search(r"exact match: (\d+)/(\d+)", proc.stdout).groups())
     assert lines["held-out exact match"] == {0: pytest.approx(100.0 * matched / of),
                                              8: pytest.approx(100.0 * matched / of)}  # fmt: skip
+    # one bar for both epochs, one for the held-out answers; the run ends naming its outputs
+    # (no squash chat: the tiny OPT's tokenizer has no chat template)
+    totals = set(re.findall(r"\| *\d+/(\d+) \[[^\]]*step", proc.stderr))  # the training bar's
+    assert totals == {"8"} and "| 8/8 [" in proc.stderr
+    assert "held-out answers: 100%" in proc.stderr
+    assert proc.stdout.rstrip().endswith(f"Checkpoint: {tmp_path}/epoch_1\n"
+        f"Picture:    {tmp_path}/training.png\nLogs:       {tmp_path}/logs\nNext:\n"
+        f"  squash export {tmp_path}/epoch_1 --format gguf --dtype q8_0 --output-dir {tmp_path}/gguf")  # fmt: skip
     _redrawn_equals_the_runs_picture(tmp_path)
 
 
@@ -87,7 +95,8 @@ def test_a_killed_and_resumed_run_draws_one_continuous_curve(run, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "epoch_1").exists()  # killed, not finished
-    run(tmp_path, *keys, "resume_from_checkpoint=True")
+    proc = run(tmp_path, *keys, "resume_from_checkpoint=True")
+    assert "| 3/8 [" in proc.stderr  # the resumed run's bar starts at its checkpoint's step
 
     first, second = plot.log_files(tmp_path / "logs")  # one file per start
     killed, resumed = plot.merge_logs([first.read_text()]), plot.merge_logs([second.read_text()])
