@@ -185,3 +185,24 @@ def test_a_picture_that_fails_to_draw_is_a_warning(tmp_path, capsys):
     picture.draw()
     logger.close()
     assert capsys.readouterr().err.startswith("training.png: not drawn: ")
+
+
+def test_squash_plot_names_what_is_missing_and_draws_from_the_logs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from squash.cli import main
+
+    assert main(["plot", str(tmp_path / "nowhere")]) == 1
+    assert capsys.readouterr().err == f"squash plot: no such directory: {tmp_path / 'nowhere'}\n"
+    assert main(["plot", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        f"squash plot: no logged steps in {tmp_path / 'logs'} (the run's DiskLogger files)\n"
+    )
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "log_1.txt").write_text(FIRST)
+    (tmp_path / "logs" / "log_2.txt").write_text(SECOND)
+    assert main(["plot", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == (
+        f"Wrote {tmp_path / 'training.png'} (6 logged steps, 3 held-out evaluations, from "
+        f"{tmp_path / 'logs'})\n"
+    )
+    assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
