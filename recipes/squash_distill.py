@@ -40,6 +40,7 @@ from squash.runs.entry import close_metric_logger, config_errors_in_one_line, op
 from squash.training import data, placement, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
+from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -75,7 +76,8 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
           ``mask_update``, gradient accumulation, ``clip_grad_norm``, activation checkpointing,
           ``compile`` (student and teacher), chunked losses, lr schedules, metric loggers,
           atomic ``epoch_N``/``step_N`` checkpoints (squash adapter, PEFT adapter, merged
-          weights) and exact resume (model, optimizer, masks, lr scheduler, data position, RNG).
+          weights) and exact resume (model, optimizer, masks, lr scheduler, data position, RNG),
+          ``output_dir/training.png`` (``loss`` is the weighted sum).
         - A NaN or inf loss stops the run before the optimizer step, naming the step.
 
     Args:
@@ -272,6 +274,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )  # fmt: skip
         # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
         self._metric_logger = open_metric_logger(cfg)
+        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # output_dir/training.png
 
     def _setup_hidden_states(self) -> None:
         """Ask student and teacher for the hidden states SquareHead needs (none if its weight is
@@ -385,7 +388,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         """The training loop; step and epoch checkpoints as configured; with a ``heldout``
         block, the student's held-out loss and answer before the first step and after the last."""
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
         t0 = time.perf_counter()
         running: Dict[str, Any] = {}
         num_tokens, micro = 0, 0
@@ -477,12 +480,15 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                 self._steps_in_epoch = 0
                 running, num_tokens, micro = {}, 0, 0
                 self.save_checkpoint(curr_epoch)
+                self._plot.draw()
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
 
     def cleanup(self) -> None:
         """Close the metric logger (its file is removed if the run logged nothing) and release
-        ``output_dir``'s lock."""
+        ``output_dir``'s lock; the picture is redrawn first (a run stopped by an error too)."""
+        if getattr(self, "_plot", None) is not None:
+            self._plot.draw()
         close_metric_logger(getattr(self, "_metric_logger", None))
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()

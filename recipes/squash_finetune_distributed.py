@@ -41,6 +41,7 @@ from squash.runs.entry import close_metric_logger, config_errors_in_one_line, op
 from squash.training import distributed as sq_dist
 from squash.training import data, placement, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
+from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -74,7 +75,8 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``fsdp_cpu_offload`` (parameters, gradients and optimizer state on the CPU),
           ``fsdp_reshard_after_forward``, ``custom_sharded_layers``, ``compile`` (per layer),
-          fp32/bf16, lr schedules, torchtune's metric loggers (rank 0), peak memory.
+          fp32/bf16, lr schedules, torchtune's metric loggers (rank 0), peak memory,
+          ``output_dir/training.png`` (rank 0).
         - Checkpoints as ``squash_finetune`` writes them (``epoch_N``, ``step_N``, atomic; squash
           adapter, PEFT adapter, merged HF weights, recipe state), gathered on rank 0; the
           recipe state holds every rank's RNG and data position, so ``resume_from_checkpoint``
@@ -222,6 +224,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
         if self._is_rank_zero:
             self._metric_logger = open_metric_logger(cfg)
+        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # rank 0 draws
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         if state["world_size"] != self.world_size:
@@ -469,10 +472,13 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 running_loss.zero_()
                 num_tokens.zero_()
                 self.save_checkpoint(curr_epoch)
+                self._plot.draw()
 
     def cleanup(self) -> None:
         """Close the metric logger (its file is removed if the run logged nothing) and release
-        ``output_dir``'s lock (rank 0)."""
+        ``output_dir``'s lock (rank 0); the picture is redrawn first (a stopped run too)."""
+        if getattr(self, "_plot", None) is not None:
+            self._plot.draw()
         close_metric_logger(getattr(self, "_metric_logger", None))
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()
