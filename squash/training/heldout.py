@@ -255,10 +255,14 @@ class HeldoutEvaluator:
             n = min(self._s["exact_match_samples"], len(self.samples))
             if n:
                 # greedy answers take seconds each on a CPU: a progress bar for them
-                bar = tqdm(range(n), desc="held-out answers", unit="answer", leave=False,
-                           disable=n < 2)  # fmt: skip
-                res["exact_match"] = sum(self.answer(model, i) == self.expected(i) for i in bar)
-                res["exact_match_of"] = n
+                hits = 0
+                with tqdm(total=n, desc="held-out answers", unit="answer", leave=False,
+                          disable=n < 2) as bar:  # fmt: skip
+                    for i in range(n):
+                        hits += self.answer(model, i) == self.expected(i)
+                        bar.update()
+                    bar.refresh()  # the full bar shown once, however fast the answers came
+                res["exact_match"], res["exact_match_of"] = hits, n
         finally:
             model.train(was_training)
             if hidden:
