@@ -26,7 +26,7 @@ from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
 from squash.nf4 import NF4Tensor, check_nf4_shape, nf4_block_sizes, quantize_nf4
 from squash.nf4.base_outliers import init_base_outliers_, module_outliers
 from squash.nf4.outliers import corrected_base, outlier_linear
-from squash.nf4.quantize import copy_nf4_, quantize_on_load
+from squash.nf4.quantize import copy_nf4_, deepcopy_module, quantize_on_load
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
 def lora_factor(
@@ -140,6 +140,9 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
     def scaling(self) -> float:
         """``alpha / rank``."""
         return self.alpha / self.rank
+
+    def __deepcopy__(self, memo):  # an NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     # ---- torchtune's AdapterModule interface and meta-device initialisation ---------------------
     def adapter_params(self) -> List[str]:

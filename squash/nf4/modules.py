@@ -23,7 +23,13 @@ from torchtune.modules.peft import LoRALinear
 
 from squash.nf4.base_outliers import init_base_outliers_, module_outliers
 from squash.nf4.outliers import outlier_linear
-from squash.nf4.quantize import copy_nf4_, nf4_block_sizes, quantize_nf4, quantize_on_load
+from squash.nf4.quantize import (
+    copy_nf4_,
+    deepcopy_module,
+    nf4_block_sizes,
+    quantize_nf4,
+    quantize_on_load,
+)
 
 
 class NF4LoRALinear(LoRALinear):
@@ -38,6 +44,9 @@ class NF4LoRALinear(LoRALinear):
             raise ValueError("base_outliers needs quantize_base=True (an NF4 base to correct)")
         init_base_outliers_(self, base_outliers)
         self.register_load_state_dict_pre_hook(quantize_on_load)
+
+    def __deepcopy__(self, memo):  # the NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """
@@ -70,6 +79,9 @@ class NF4Linear(FrozenNF4Linear):
         super().__init__(*args, **kwargs)
         init_base_outliers_(self, base_outliers)
         self.register_load_state_dict_pre_hook(quantize_on_load)
+
+    def __deepcopy__(self, memo):  # the NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """

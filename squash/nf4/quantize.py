@@ -17,6 +17,7 @@ are equal (tests/modules/test_nf4_quantize.py). Everything of squash that makes 
 calls these; torchao's ``to_nf4``, ``copy_`` and ``clone`` stay torchao's (and torchtune's).
 """
 
+import copy
 from typing import Optional, Tuple
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "check_nf4_shape",
     "clone_nf4",
     "copy_nf4_",
+    "deepcopy_module",
     "linear_nf4",
     "nearest_nf4_level",
     "nf4_block_sizes",
@@ -219,6 +221,21 @@ def clone_nf4(weight: NF4Tensor) -> NF4Tensor:
     names, ctx = weight.__tensor_flatten__()
     inner = {n: getattr(weight, n).clone() for n in names}
     return NF4Tensor.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+
+
+def deepcopy_module(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy(module, memo)`` with ``module``'s own NF4 parameters copied by
+    :func:`clone_nf4` (as they are, block sizes included) instead of by NF4's ``clone``: the
+    ``__deepcopy__`` of squash's NF4 modules. Everything else is copied as ``copy.deepcopy``
+    copies a module (its state, ``__setstate__`` on a new instance)."""
+    for param in module.parameters(recurse=False):
+        if isinstance(param, NF4Tensor) and id(param) not in memo:
+            memo[id(param)] = torch.nn.Parameter(clone_nf4(param),
+                                                 requires_grad=param.requires_grad)  # fmt: skip
+    new = type(module).__new__(type(module))
+    memo[id(module)] = new
+    new.__setstate__(copy.deepcopy(dict(vars(module)), memo))
+    return new
 
 
 @torch.no_grad()
