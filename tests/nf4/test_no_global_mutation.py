@@ -1,0 +1,46 @@
+"""squash replaces nothing of torchao's or torchtune's: every attribute of torchao's
+``NF4Tensor``, torchtune's ``LoRALinear``, ``DoRALinear``, ``FrozenNF4Linear`` and decoder
+classes, torchao's NF4 op and torch-function tables and the module globals torchtune's NF4
+modules call hold the very same objects (by identity) before and after importing squash, and
+before and after building every kind of squash NF4 model, a full ``tune run squash_finetune``
+of the tiny OPT on a corrected base with mask updates, the merge its export runs and its chat
+model. Each runs in a fresh process (:mod:`tests.nf4._mutation_probe`); a control shows the
+probe sees the one-attribute change squash's builders used to make."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+PROBE = REPO / "tests" / "nf4" / "_mutation_probe.py"
+
+
+def _probe(*args: str, timeout: int = 600) -> dict:
+    proc = subprocess.run([sys.executable, str(PROBE), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_probe_sees_a_replaced_attribute_and_a_registered_op():
+    assert _probe("control")[-1]["changed"] == {
+        "vars(torchao.dtypes.nf4tensor.NF4Tensor)": ["quantize_tensor_nearest"],
+        "torchao NF4_OPS_TABLE": ["aten.clone.default"],
+    }
+
+
+def test_importing_squash_alone_changes_nothing_and_imports_no_torchtune():
+    assert _probe("import")[-1] == {"changed": {}, "torchtune_imported": False}
+
+
+@pytest.mark.slow
+def test_building_training_exporting_and_chatting_change_nothing(tmp_path):
+    *outputs, last = _probe("run", str(tmp_path))
+    assert last == {"changed": {}}
+    done = outputs[-1]  # what the run, the merge and the chat gave: they did run
+    assert (tmp_path / "run" / "epoch_0" / "squash_adapter.safetensors").is_file()
+    assert "adapter_model.safetensors" in done["adapter"]
+    assert done["merged"] > 0 and len(done["chat"]) >= 1
