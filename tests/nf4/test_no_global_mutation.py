@@ -44,3 +44,25 @@ def test_building_training_exporting_and_chatting_change_nothing(tmp_path):
     assert (tmp_path / "run" / "epoch_0" / "squash_adapter.safetensors").is_file()
     assert "adapter_model.safetensors" in done["adapter"]
     assert done["merged"] > 0 and len(done["chat"]) >= 1
+
+
+def test_no_package_of_squash_reaches_another_through_importlib():
+    """Packages import each other with plain imports (a lazy load inside one package, such as
+    ``squash.nf4``'s own modules, is that package's business)."""
+    import ast
+
+    reached = []
+    for path in sorted((REPO / "squash").glob("*/**/*.py")):
+        package = path.relative_to(REPO / "squash").parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            if name not in ("import_module", "__import__"):
+                continue
+            arg = node.args[0]
+            text = arg.value if isinstance(arg, ast.Constant) else ast.unparse(arg)
+            target = str(text).strip("f'\"").split(".")
+            if target[0] == "squash" and len(target) > 1 and target[1] != package:
+                reached.append(f"{path.relative_to(REPO)}:{node.lineno} {text}")
+    assert reached == []
