@@ -264,13 +264,15 @@ def quantize_on_load(module: torch.nn.Module, state_dict: dict, prefix: str, *ar
     plain tensor ``state_dict`` holds for an NF4 parameter of ``module`` (not its children) is
     replaced, in the copy of the state dict the load works on, by its NF4 as torchao's ``copy_``
     would make it (:func:`to_nf4_exact`, ``value`` in its own dtype on the parameter's device,
-    the parameter's block sizes), so the load copies the quantized parts."""
+    the parameter's block sizes), so the load copies the quantized parts. A parameter on the
+    meta device (an ``assign=True`` load) gets the NF4 on ``value``'s device."""
     for name, param in module.named_parameters(recurse=False):
         key = prefix + name
         value = state_dict.get(key)
         if (isinstance(param, NF4Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter)
                 and tuple(value.shape) == tuple(param.shape)):  # fmt: skip
-            state_dict[key] = to_nf4_exact(value.detach().to(param.device), param.block_size,
+            device = value.device if param.is_meta else param.device
+            state_dict[key] = to_nf4_exact(value.detach().to(device), param.block_size,
                                            param.scaler_block_size)  # fmt: skip
 
 

@@ -6,8 +6,19 @@ none of them), so they are the reference as torchao ships them."""
 
 import pytest
 import torch
+from torchtune.modules.peft import LoRALinear
 
-from squash.nf4 import NF4Tensor, copy_nf4_, nearest_nf4_level, to_nf4, to_nf4_exact
+from squash.modules import NF4Linear, sparse_lora_linear
+from squash.nf4 import (
+    NF4LoRALinear,
+    NF4Tensor,
+    copy_nf4_,
+    nearest_nf4_level,
+    quantize_nf4,
+    to_nf4,
+    to_nf4_exact,
+    use_squash_nf4_,
+)
 
 _PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 
@@ -74,3 +85,33 @@ def test_copy_nf4_equals_torchao_copy():
         assert copy_nf4_(ours, source) is ours
         theirs.copy_(source)
         _same(ours, theirs)
+
+
+def test_squash_quantizes_and_loads_without_torchaos_nearest_level_search(monkeypatch):
+    """squash's quantization and every squash NF4 module's load (a built one, a torchtune module
+    replaced by ``use_squash_nf4_``) run squash's search, never torchao's (made to fail here,
+    after torchao computed the reference and torchtune's constructors quantized their
+    placeholders), and give torchao's NF4 of the weight with the module's block sizes."""
+    torch.manual_seed(3)
+    w = torch.randn(192, 576) * 0.02
+    want = to_nf4(w, 64, 216)
+    sizes = dict(block_size=64, scaler_block_size=216)
+    modules = [
+        sparse_lora_linear(576, 192, 4, 8.0, quantize_base=True),
+        NF4Linear(576, 192, bias=False, **sizes),
+        NF4LoRALinear(576, 192, 4, 8.0, quantize_base=True, **sizes),
+        use_squash_nf4_(LoRALinear(576, 192, 4, 8.0, quantize_base=True, **sizes)),
+    ]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torchao's quantize_tensor_nearest was called")
+
+    monkeypatch.setattr(NF4Tensor, "quantize_tensor_nearest", staticmethod(refuse))
+    _same(quantize_nf4(w, "w"), want)
+    for module in modules:
+        module.load_state_dict({**module.state_dict(), "weight": w})
+        assert (module.weight.block_size, module.weight.scaler_block_size) == (64, 216)
+        for part in _PARTS:
+            assert torch.equal(getattr(module.weight, part), getattr(want, part)), part
+    with pytest.raises(AssertionError, match="quantize_tensor_nearest was called"):
+        to_nf4(w, 64, 216)  # the refusal does refuse: torchao's own path still calls it
