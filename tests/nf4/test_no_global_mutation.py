@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, logged
 
 PROBE = REPO / "tests" / "nf4" / "_mutation_probe.py"
 
@@ -41,7 +41,12 @@ def test_building_training_exporting_and_chatting_change_nothing(tmp_path):
     *outputs, last = _probe("run", str(tmp_path))
     assert last == {"changed": {}}
     done = outputs[-1]  # what the run, the merge and the chat gave: they did run
-    assert (tmp_path / "run" / "epoch_0" / "squash_adapter.safetensors").is_file()
+    epoch = tmp_path / "run" / "epoch_0"
+    assert (epoch / "squash_adapter.safetensors").is_file()
+    recorded = json.loads((epoch / "squash_adapter_config.json").read_text())["model"]
+    assert recorded["base_outliers"]["fraction"] == 0.02  # trained on a corrected base
+    assert sorted(logged(tmp_path / "run", "mask_update/replaced_per_row")) == [2, 4]
+    assert sorted(logged(tmp_path / "run")) == [1, 2, 3, 4]
     assert "adapter_model.safetensors" in done["adapter"]
     assert done["merged"] > 0 and len(done["chat"]) >= 1
 
