@@ -81,7 +81,8 @@ def test_clone_deepcopy_and_load_keep_the_block_sizes():
     m = sparse_lora_linear(576, 576, 4, 8.0, quantize_base=True, weight=w.clone())
     frozen = NF4Linear(576, 576, bias=False, device="meta", block_size=64, scaler_block_size=216)
     frozen.weight = nn.Parameter(q, requires_grad=False)
-    copies = (clone_nf4(q), copy.deepcopy(m).weight, copy.deepcopy(nn.ModuleList([frozen]))[0].weight)
+    in_a_model = copy.deepcopy(nn.ModuleList([frozen]))[0].weight
+    copies = (clone_nf4(q), copy.deepcopy(m).weight, in_a_model)
     for c in copies:
         assert isinstance(c, NF4Tensor) and (c.block_size, c.scaler_block_size) == (64, 216)
         assert c is not q and c is not m.weight and c.quantized_data is not q.quantized_data

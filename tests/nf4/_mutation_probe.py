@@ -73,7 +73,8 @@ def changed(before: dict, after: dict) -> dict:
     out = {}
     for name in before:
         a, b = before[name], after[name]
-        keys = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] is not b[k])
+        keys = sorted(k for k in a.keys() | b.keys()
+                      if k not in a or k not in b or a[k] is not b[k])  # fmt: skip
         keys = [k for k in keys if k in a or not _others(k, b[k])]
         if keys:
             out[name] = keys
