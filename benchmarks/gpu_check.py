@@ -150,7 +150,7 @@ def run_nf4_checks(device: str) -> bool:
     bit, for fp32, bf16 and fp16 weights."""
     from torchao.dtypes.nf4tensor import to_nf4
 
-    from squash.ops import nf4_dequantize
+    from squash.nf4 import nf4_dequantize
 
     log(f"\n== NF4 dequantize on {device}: bit for bit against torchao ==")
     all_ok = True
@@ -172,7 +172,7 @@ def nf4_timing() -> list[str]:
     squash against torchao, on an 8192 x 8192 weight (torchao's blocks)."""
     from torchao.dtypes.nf4tensor import to_nf4
 
-    from squash.ops import nf4_dequantize
+    from squash.nf4 import nf4_dequantize
 
     w = to_nf4(torch.randn(8192, 8192, device=GPU, dtype=torch.bfloat16) * 0.02)
     n = w.numel()

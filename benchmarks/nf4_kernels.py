@@ -1,9 +1,9 @@
 """Time squash's NF4 dequantization against torchao's, side by side in one process.
 
 For each weight shape (with torchao's blocks, or the largest scaler block that divides):
-``NF4Tensor.get_original_weight()`` against ``squash.ops.nf4_dequantize`` (equal bit for bit,
+``NF4Tensor.get_original_weight()`` against ``squash.nf4.nf4_dequantize`` (equal bit for bit,
 checked here too), and the base linear of an adapted layer, forward and input gradient, through
-torchao's ``linear_nf4`` against ``squash.ops.nf4_linear``, with the dense ``F.linear`` on the
+torchao's ``linear_nf4`` against ``squash.nf4.nf4_linear``, with the dense ``F.linear`` on the
 unquantized weight for scale. Calls run in interleaved rounds after a warm-up (load from
 elsewhere hits all alike); each entry is the median, with the range over rounds. Prints a
 markdown table: milliseconds and the ratio torchao / squash (> 1: squash faster); on a GPU also
@@ -30,7 +30,7 @@ def bench(shape, dtype, device, tokens, rounds):
     from torchao.dtypes.nf4tensor import linear_nf4
 
     from squash.nf4 import quantize_nf4
-    from squash.ops import nf4_dequantize, nf4_linear
+    from squash.nf4 import nf4_dequantize, nf4_linear
 
     w = (torch.randn(shape) * 0.02).to(dtype=dtype, device=device)
     q = quantize_nf4(w)

@@ -368,7 +368,7 @@ def table(args, res) -> str:
     total = sum(res["ms"].values())
     from squash.nf4.ops import backend
 
-    nf4_path = {"squash": f"{backend()} (squash.ops.nf4_linear)",
+    nf4_path = {"squash": f"{backend()} (squash.nf4.nf4_linear)",
                 "qlora": "torchao (torchtune's LoRALinear: linear_nf4)", "lora": "none",
                 "squash-qlora": f"{backend()} (squash's NF4LoRALinear)"}[args.adapter]
     if args.unquantized:

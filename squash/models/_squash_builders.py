@@ -45,7 +45,6 @@ from squash.modules import FlatTiedLinear, flatten_tied_output, sparse_lora_line
 from squash.nf4 import (
     NF4Linear,
     NF4LoRALinear,
-    install_torchao_extensions,
     nf4_block_sizes,
     use_squash_nf4_,
 )
@@ -196,8 +195,6 @@ def squash_llama3_2(
             "apply_lora_to_output is currently not supporting in llama3.2 1b and 3b,"
             "as the projection layer weights are tied to the embeddings"
         )
-    if quantize_base:
-        install_torchao_extensions()
     head_dim = embed_dim // num_heads
     lin = partial(
         linear, quantize_base=quantize_base, lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -290,8 +287,6 @@ def squash_qwen2(
         ValueError: ``apply_lora_to_output`` with tied embeddings, bad sparsity arguments.
     """
     _check_adapter_args(sparsity, sparse_factor, init, base_outliers, quantize_base)
-    if quantize_base:
-        install_torchao_extensions()
     head_dim = embed_dim // num_heads
     lora = dict(
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,

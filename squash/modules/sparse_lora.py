@@ -23,15 +23,10 @@ from squash._checks import (
 )
 from squash.modules.adapter import SparseAdapterModule, merge_lora
 from squash.modules.ffi_linear import FFILinear, kaiming_uniform_
-from squash.nf4 import (
-    NF4Tensor,
-    check_nf4_shape,
-    install_torchao_extensions,
-    nf4_block_sizes,
-    quantize_nf4,
-)
+from squash.nf4 import NF4Tensor, check_nf4_shape, nf4_block_sizes, quantize_nf4
 from squash.nf4.base_outliers import init_base_outliers_, module_outliers
 from squash.nf4.outliers import corrected_base, outlier_linear
+from squash.nf4.quantize import copy_nf4_, deepcopy_module, quantize_on_load
 from squash.sparsity.ffi import fan_in_for, prune_to_ffi
 
 def lora_factor(
@@ -134,8 +129,8 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
         if base_outliers is not None and not self._quantize_base:
             raise ValueError("base_outliers needs an NF4 base (quantize_base=True) to correct")
         init_base_outliers_(self, base_outliers)
-        if self._quantize_base:
-            install_torchao_extensions()  # an NF4 base clones with its own block sizes
+        if self._quantize_base:  # a plain weight loaded into the base: quantized by squash
+            self.register_load_state_dict_pre_hook(quantize_on_load)
         self.register_parameter("weight", _as_parameter(weight))
         self.register_parameter("bias", None if bias is None else _as_parameter(bias))
         self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
@@ -145,6 +140,9 @@ class SparseLoRALinear(nn.Module, SparseAdapterModule):
     def scaling(self) -> float:
         """``alpha / rank``."""
         return self.alpha / self.rank
+
+    def __deepcopy__(self, memo):  # an NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     # ---- torchtune's AdapterModule interface and meta-device initialisation ---------------------
     def adapter_params(self) -> List[str]:
@@ -519,7 +517,11 @@ def _svd_init_(base: torch.Tensor, lora_a: nn.Module, lora_b: nn.Module, scaling
     for key, value in state.items():
         factor, name = key.split(".")
         getattr(factors[factor], name).copy_(value)
-    base.copy_(residual.float().to(base.dtype))
+    residual = residual.float().to(base.dtype)
+    if isinstance(base, NF4Tensor):
+        copy_nf4_(base, residual)  # as torchao's copy_, squash's quantization
+    else:
+        base.copy_(residual)
 
 
 def initialize_lora_factors_(

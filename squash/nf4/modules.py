@@ -11,7 +11,9 @@ utilities take them as their parents. ``SQUASH_NF4=torchao`` switches back to to
 ``linear_nf4``.
 
 :func:`use_squash_nf4_` replaces the torchtune modules of a built model by these;
-:func:`quantize_base_` quantizes an unquantized model's frozen base linears into them.
+:func:`quantize_base_` quantizes an unquantized model's frozen base linears into them. A plain
+weight loaded into their NF4 base is quantized by squash (:func:`~squash.nf4.quantize_on_load`,
+a public ``load_state_dict`` pre-hook; equal to torchao's ``copy_``).
 """
 
 import torch
@@ -20,9 +22,14 @@ from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import LoRALinear
 
 from squash.nf4.base_outliers import init_base_outliers_, module_outliers
-from squash.nf4.extensions import install_torchao_extensions
 from squash.nf4.outliers import outlier_linear
-from squash.nf4.quantize import nf4_block_sizes, quantize_nf4
+from squash.nf4.quantize import (
+    copy_nf4_,
+    deepcopy_module,
+    nf4_block_sizes,
+    quantize_nf4,
+    quantize_on_load,
+)
 
 
 class NF4LoRALinear(LoRALinear):
@@ -36,6 +43,10 @@ class NF4LoRALinear(LoRALinear):
         if base_outliers is not None and not self._quantize_base:
             raise ValueError("base_outliers needs quantize_base=True (an NF4 base to correct)")
         init_base_outliers_(self, base_outliers)
+        self.register_load_state_dict_pre_hook(quantize_on_load)
+
+    def __deepcopy__(self, memo):  # the NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """
@@ -67,6 +78,10 @@ class NF4Linear(FrozenNF4Linear):
     def __init__(self, *args, base_outliers=None, **kwargs):
         super().__init__(*args, **kwargs)
         init_base_outliers_(self, base_outliers)
+        self.register_load_state_dict_pre_hook(quantize_on_load)
+
+    def __deepcopy__(self, memo):  # the NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """
@@ -93,10 +108,12 @@ def use_squash_nf4_(model: nn.Module) -> nn.Module:
     every ``FrozenNF4Linear`` by an :class:`NF4Linear` (for models built by torchtune's own QLoRA
     builders; squash's builders build these classes directly).
 
-    Each replacement is built on the meta device and takes the old module's parameters,
-    submodules (the adapter factors, dropout), flags, hooks and train/eval mode: the same
-    objects, so loaded weights and references to them (an optimizer's, a hook's handle) stay
-    valid. Other modules, subclasses of these included, are left as they are.
+    Each replacement is a shallow copy of the old module in the subclass (``copy.copy``'s
+    protocol: ``__setstate__`` of the old module's state): it holds the old module's
+    parameters, submodules (the adapter factors, dropout), flags, hooks and train/eval mode,
+    the same objects, so loaded weights and references to them (an optimizer's, a hook's handle)
+    stay valid; the old module, which shares them, is no longer part of ``model``. Other
+    modules, subclasses of these included, are left as they are.
 
     Args:
         model (nn.Module): any module tree (``model`` itself may be replaced).
@@ -104,18 +121,13 @@ def use_squash_nf4_(model: nn.Module) -> nn.Module:
     Returns:
         nn.Module: ``model``, or its replacement if it is such a module itself.
     """
-    install_torchao_extensions()
     for name, module in list(model.named_modules()):
         if type(module) is LoRALinear and module._quantize_base:
-            new = _nf4_lora_linear(module)
+            new = _shallow_copy_as(module, NF4LoRALinear)
         elif type(module) is FrozenNF4Linear:
-            new = _nf4_linear(module)
+            new = _shallow_copy_as(module, NF4Linear)
         else:
             continue
-        for key, hooks in vars(module).items():  # the same dicts: hook handles stay valid
-            if key.startswith("_") and "hook" in key and isinstance(hooks, dict):
-                object.__setattr__(new, key, hooks)
-        new.train(module.training)
         if not name:
             return new
         parent, _, child = name.rpartition(".")
@@ -123,24 +135,13 @@ def use_squash_nf4_(model: nn.Module) -> nn.Module:
     return model
 
 
-def _nf4_lora_linear(old: LoRALinear) -> NF4LoRALinear:
-    """An :class:`NF4LoRALinear` holding ``old``'s base, factors, dropout and flags."""
-    with torch.device("meta"):  # a dense meta base, replaced below: nothing drawn or quantized
-        new = NF4LoRALinear(old.in_dim, old.out_dim, old.rank, old.alpha, use_bias=old.use_bias)
-    new._quantize_base = True
-    for key in ("weight", "bias", "dropout", "lora_a", "lora_b"):
-        setattr(new, key, getattr(old, key))
-    new.disabled, new.merged = old.disabled, old.merged
-    return new
-
-
-def _nf4_linear(old: FrozenNF4Linear) -> NF4Linear:
-    """An :class:`NF4Linear` holding ``old``'s NF4 weight and bias."""
-    w = old.weight
-    new = NF4Linear(old.in_features, old.out_features, bias=old.bias is not None, device="meta",
-                    dtype=w.dtype, block_size=w.block_size,
-                    scaler_block_size=w.scaler_block_size)  # fmt: skip
-    new.weight, new.bias = old.weight, old.bias
+def _shallow_copy_as(old: nn.Module, cls: type) -> nn.Module:
+    """``old``'s state (parameters, submodules, hooks, flags: the same objects) in a ``cls``, a
+    subclass adding only a plain NF4 setting, the load pre-hook and its forward."""
+    new = cls.__new__(cls)
+    new.__setstate__(dict(vars(old)))
+    new.base_outliers = None  # plain NF4 (no outlier buffers: module_outliers gives None)
+    new.register_load_state_dict_pre_hook(quantize_on_load)
     return new
 
 
@@ -167,7 +168,6 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: naming the module whose shape no block size divides, or a biased linear.
     """
-    install_torchao_extensions()
     for layer_name, layer in model.layers.named_modules(prefix="layers"):
         if hasattr(layer, "adapter_params"):  # an adapter's factors stay as they are
             continue
@@ -192,6 +192,6 @@ def quantize_base_(model: torch.nn.Module) -> torch.nn.Module:
                     block_size=block,
                     scaler_block_size=scaler,
                 )
-                frozen.weight.copy_(child.weight)  # torchao re-quantizes with the same sizes
+                copy_nf4_(frozen.weight, child.weight)  # quantized with the same sizes
                 setattr(layer, child_name, frozen)
     return use_squash_nf4_(model)

@@ -43,6 +43,7 @@ from torch import nn
 from squash.nf4.quantize import (
     DEFAULT_SCALER_BLOCK_SIZE,
     NF4Tensor,
+    deepcopy_module,
     quantize_nf4,
 )
 from squash.ops.ffi_linear import ffi_linear
@@ -371,6 +372,9 @@ class NF4WithOutliers(nn.Module):
                    second_moment: Optional[torch.Tensor] = None, **kwargs) -> "NF4WithOutliers":
         """:func:`split_outliers` of ``weight`` (keyword arguments passed on)."""  # fmt: skip
         return cls(*split_outliers(weight, fraction, criterion, second_moment, **kwargs))
+
+    def __deepcopy__(self, memo):  # the NF4 base copied as it is (its own block sizes)
+        return deepcopy_module(self, memo)
 
     def outliers(self) -> Optional[Outliers]:
         if self.outlier_values is None:

@@ -6,7 +6,8 @@ default); real models meet this, tiny test models do not (:func:`nf4_shardable`,
 :func:`unshardable_nf4_params`: the assembly's :func:`~squash.assembly.fsdp.shard_model` keeps
 such a weight whole on every rank). NF4 has no ``distribute_tensor``: :func:`shard_nf4` builds a
 rank's row shard as a DTensor by hand (as torchtune's ``load_from_full_model_state_dict`` does),
-from a full weight quantized exactly as one device quantizes it (:func:`quantize_like`).
+from a full weight quantized exactly as one device quantizes it (:func:`quantize_like`, with
+squash's :func:`~squash.nf4.quantize.copy_nf4_`).
 """
 
 from typing import Dict
@@ -16,7 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from squash.nf4._torchao import NF4Tensor, to_nf4
+from squash.nf4._torchao import NF4Tensor
+from squash.nf4.quantize import copy_nf4_, to_nf4_exact
 
 
 _NF4_SHARDED_PARTS = ("quantized_scalers", "quantization_factor", "quantized_data")
@@ -43,13 +45,12 @@ def quantize_like(nf4: NF4Tensor, value: torch.Tensor, device: torch.device) -> 
     ``load_state_dict`` does it on one device (NF4's ``copy_`` quantizes the source in its own
     dtype, which differs from quantizing it after a cast), so a sharded run holds the base
     weights a one-device run holds."""
-    out = to_nf4(
+    out = to_nf4_exact(
         torch.zeros(tuple(value.shape), dtype=nf4.dtype, device=device),
         block_size=nf4.block_size,
         scaler_block_size=nf4.scaler_block_size,
     )
-    out.copy_(value.to(device))
-    return out
+    return copy_nf4_(out, value.to(device))
 
 
 def shard_nf4(meta: DTensor, full: torch.Tensor) -> DTensor:

@@ -1,26 +1,16 @@
-"""FFI and NF4 custom ops (``torch.ops.squash.*``), kernel loading and the pure-PyTorch reference
-(the NF4 ops live in :mod:`squash.nf4`, whose ``nf4_linear`` and ``nf4_dequantize`` are also
-reachable here, resolved on first use: ``squash.nf4`` imports this package, not the reverse)."""
+"""The FFI custom ops (``torch.ops.squash.ffi_*``), kernel loading (for the NF4 ops too) and the
+pure-PyTorch reference. The NF4 ops (``nf4_linear``, ``nf4_dequantize``) are :mod:`squash.nf4`'s,
+which is built on this package."""
 
 from squash.ops import reference
 from squash.ops._loader import ensure_loaded, kernels_dir, status
 from squash.ops.ffi_linear import ffi_linear
 
 
-def __getattr__(name: str):
-    if name in ("nf4_dequantize", "nf4_linear"):
-        import importlib
-
-        return getattr(importlib.import_module("squash.nf4.ops"), name)
-    raise AttributeError(f"module 'squash.ops' has no attribute {name!r}")
-
-
 __all__ = [
     "ensure_loaded",
     "ffi_linear",
     "kernels_dir",
-    "nf4_dequantize",
-    "nf4_linear",
     "reference",
     "status",
 ]

@@ -14,7 +14,7 @@ has no effect, because a loaded kernel stays registered with the dispatcher):
   vectors) or ``neon`` (aarch64) build that variant instead, a narrower one on a wider host, each
   in its own cache folder; asking for an ISA this CPU lacks raises ``ValueError``.
 - ``SQUASH_NF4``: ``native`` (default) or ``torchao``: whether squash's adapted linears run their
-  NF4 base through :func:`squash.ops.nf4_linear` (squash's dequantize kernel) or torchao's
+  NF4 base through :func:`squash.nf4.nf4_linear` (squash's dequantize kernel) or torchao's
   ``linear_nf4`` (the results are equal bit for bit).
 - ``SQUASH_BUILD_TIMEOUT``: seconds to wait for another process building the same kernel (default
   1200); then squash warns and the reference serves. A build killed midway leaves PyTorch's

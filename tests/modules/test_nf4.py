@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torchtune.models.llama3_2._component_builders import lora_llama3_2
 
-from squash.modules import NF4Linear, NF4LoRALinear, sparse_lora_linear
+from squash.modules import NF4Linear, NF4LoRALinear, SparseLoRALinear, sparse_lora_linear
 from squash.nf4 import (
     NF4Tensor,
+    clone_nf4,
     nf4_block_sizes,
     nf4_bytes,
     quantize_base_,
@@ -70,15 +71,25 @@ def test_given_block_sizes_are_used_as_given():
 
 
 def test_clone_deepcopy_and_load_keep_the_block_sizes():
-    """torchtune's clone override re-quantizes with the default sizes (and fails on 576x576);
-    squash's clones the quantized parts. Loading a plain tensor into an NF4 parameter goes
-    through torchao's copy_, which re-quantizes with the target's sizes."""
+    """torchao's and torchtune's NF4 clone re-quantize with the default sizes (and fail on
+    576x576); squash's clone_nf4 copies the quantized parts, and squash's NF4 modules deep-copy
+    their base with it. Loading a plain tensor into an NF4 base re-quantizes it with the
+    target's sizes (squash's pre-hook, as torchao's copy_ does)."""
     w = torch.randn(576, 576)
     ref = to_nf4(w, 64, 216).get_original_weight()
     q = quantize_nf4(w, "w")
-    for c in (q.clone(), copy.deepcopy(nn.Parameter(q, requires_grad=False))):
+    m = sparse_lora_linear(576, 576, 4, 8.0, quantize_base=True, weight=w.clone())
+    frozen = NF4Linear(576, 576, bias=False, device="meta", block_size=64, scaler_block_size=216)
+    frozen.weight = nn.Parameter(q, requires_grad=False)
+    in_a_model = copy.deepcopy(nn.ModuleList([frozen]))[0].weight
+    copies = (clone_nf4(q), copy.deepcopy(m).weight, in_a_model)
+    for c in copies:
         assert isinstance(c, NF4Tensor) and (c.block_size, c.scaler_block_size) == (64, 216)
+        assert c is not q and c is not m.weight and c.quantized_data is not q.quantized_data
         assert torch.equal(c.get_original_weight(), ref)
+    copied = copy.deepcopy(m)
+    assert type(copied) is SparseLoRALinear and not copied.weight.requires_grad
+    assert torch.equal(copied.lora_a.indices, m.lora_a.indices)
     m = sparse_lora_linear(576, 576, 4, 8.0, quantize_base=True)
     m.load_state_dict({**m.state_dict(), "weight": w})
     assert (m.weight.block_size, m.weight.scaler_block_size) == (64, 216)

@@ -47,7 +47,7 @@ for dtype, view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16),
     for shape, block, scaler_block in (((256, 64), 64, 256), ((576, 576), 64, 64),
                                        ((10, 36), 10, 12), ((2, 1000), 250, 8)):
         w = to_nf4((torch.randn(shape) * 0.02).to(dtype), block, scaler_block)
-        got = squash.ops.nf4_dequantize(w)
+        got = squash.nf4.nf4_dequantize(w)
         assert torch.equal(got.view(view), w.get_original_weight().view(view)), (dtype, shape)
 print(json.dumps(squash.ops.status()["cpu"]))
 """

@@ -110,7 +110,7 @@ def test_hipcc_compiles_hipified_nf4_device_code(tmp_path):
 def test_nf4_gpu_equals_torchao_bit_for_bit(shape, block, scaler_block, dtype):
     from torchao.dtypes.nf4tensor import to_nf4
 
-    from squash.ops import nf4_dequantize
+    from squash.nf4 import nf4_dequantize
 
     w = to_nf4((torch.randn(shape) * 0.02).to(dtype).cuda(), block, scaler_block)
     want = w.get_original_weight()

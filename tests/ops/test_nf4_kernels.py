@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import squash  # noqa: F401  (registers torch.ops.squash.*)
-from squash.ops import _loader, nf4_dequantize, nf4_linear
+from squash.nf4 import nf4_dequantize, nf4_linear
 from squash.nf4.ops import _inner, reference_dequantize
+from squash.ops import _loader
 
 from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
 

@@ -1,4 +1,4 @@
-"""squash's native NF4 path (squash.ops.nf4_linear) trains as torchao's linear_nf4 does: the
+"""squash's native NF4 path (squash.nf4.nf4_linear) trains as torchao's linear_nf4 does: the
 losses of a short fp32 QLoRA run agree with those of the same run under SQUASH_NF4=torchao."""
 
 import pytest

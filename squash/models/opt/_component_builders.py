@@ -51,7 +51,7 @@ from squash.models.opt._decoder import (
     OPTPostNormLayer,
 )
 from squash.modules import FlatTiedLinear, NF4LoRALinear, get_adapter_modules, sparse_lora_linear
-from squash.nf4 import check_nf4_shape, install_torchao_extensions
+from squash.nf4 import check_nf4_shape
 from squash.nf4.base_outliers import check_base_outliers, outliers_state_dict_post_hook
 
 
@@ -314,7 +314,6 @@ def lora_opt(
         raise ValueError(f"init={init!r} needs sparse adapters: give a sparsity")
     check_base_outliers(base_outliers, quantize_base)
     if quantize_base:  # name the layer before torchao fails on it with a bare assertion
-        install_torchao_extensions()
         for name, shape in _adapted_shapes(
             lora_attn_modules, apply_lora_to_mlp, embed_dim, intermediate_dim
         ).items():
