@@ -125,6 +125,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
             drop_last=False,
         )
 

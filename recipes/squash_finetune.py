@@ -180,6 +180,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._loss_fn.ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])

@@ -192,6 +192,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._loss_fn.ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
             num_replicas=self.world_size,
             rank=self.rank,
         )

@@ -279,6 +279,12 @@ class RunLock:
             )
         return fd
 
+    @property
+    def inputs(self) -> Optional[Dict[str, Dict[str, Any]]]:
+        """The input files' record this run made when it started (:func:`input_record`): what
+        the data loader checks the files it reads against."""
+        return self.record["inputs"]
+
     def release(self) -> None:
         """Remove the lock file, drop the lock and remove the directories the lock created if
         they are empty (idempotent)."""

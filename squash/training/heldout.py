@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
 from tqdm import tqdm
 
@@ -33,6 +32,7 @@ from squash.config.blocks import (  # noqa: F401  (parse_heldout: heldout.* as b
     parse_heldout,
 )
 from squash.config.keys import ConfigKeyError
+from squash.training.data import instantiate_dataset
 
 def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(tokens)
@@ -194,7 +194,7 @@ class HeldoutEvaluator:
     def __init__(
         self, settings: Dict[str, Any], tokenizer: Any, device: torch.device, ignore_index: int
     ) -> None:
-        ds = config.instantiate(settings["dataset"], tokenizer)
+        ds = instantiate_dataset(settings["dataset"], tokenizer)
         self.samples = [ds[i] for i in range(len(ds))]
         # a question-answer dataset (squash.datasets) says what the answer is; otherwise the
         # answer is what the labels decode to
