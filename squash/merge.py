@@ -406,12 +406,23 @@ def export_checkpoint(
     _refuse_inside(output_dir, [checkpoint_dir])
     model = load_checkpoint_model(checkpoint_dir, base)
     _refuse_inside(output_dir, model.reads)
+    # the directories made here are removed again, when still empty, if the export fails (a
+    # family GGUF cannot carry is found only when writing): a refused export leaves nothing
+    created = [p for p in (output_dir, *output_dir.parents) if not p.exists()][::-1]
     output_dir.mkdir(parents=True, exist_ok=True)
-    return [
-        write_gguf(model.config, model.weights, model.tokenizer_dir, d,
-                   export_path(checkpoint_dir, d, output_dir), model.meta, model.source)
-        for d in dtypes
-    ]  # fmt: skip
+    try:
+        return [
+            write_gguf(model.config, model.weights, model.tokenizer_dir, d,
+                       export_path(checkpoint_dir, d, output_dir), model.meta, model.source)
+            for d in dtypes
+        ]  # fmt: skip
+    except BaseException:
+        for path in reversed(created):
+            try:
+                path.rmdir()  # only if empty
+            except OSError:
+                break
+        raise
 
 
 def export_path(checkpoint_dir: Path, dtype: str, output_dir: Optional[Path] = None) -> Path:
