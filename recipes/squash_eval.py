@@ -25,9 +25,9 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
 from squash.assembly.model_setup import load_base, setup_frozen_model
-from squash.config.keys import ConfigKeyError, check_component, check_keys, get_int
+from squash.config.keys import ConfigKeyError, check_component, get_int
 from squash.config.overrides import overrides_in_one_line
-from squash.config.values import check_values
+from squash.config.validate import check_config
 from squash.modules import get_adapter_modules
 from squash.runs import checkpoint as ckpt
 from squash.runs import run_lock
@@ -43,6 +43,8 @@ CONFIG_KEYS = {
     "ignore_index",
 }  # fmt: skip
 RESULTS_FILE = "eval_results.json"
+# The keys the recipe cannot run without (``squash validate`` checks them too).
+REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size")
 
 
 class SquashEvalRecipe(EvalRecipeInterface):
@@ -69,11 +71,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_keys(cfg, CONFIG_KEYS)
-        check_values(cfg)
-        for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size"):
-            if cfg.get(key) is None:
-                raise ConfigKeyError(f"Missing config key: {key}")
+        check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
         self._device = utils.get_device(device=cfg.get("device", None))
         self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
         self._output_dir = Path(cfg.output_dir)
