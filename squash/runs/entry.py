@@ -1,9 +1,10 @@
 """What a recipe's entry point does around a run: config errors as one line, no empty log
 files left by a failed run, and third-party messages squash cannot act on kept quiet.
 
-- :func:`config_errors_in_one_line`: a ``ConfigKeyError`` (or an OmegaConf interpolation error)
-  ends the run with ``RECIPE: config error: MESSAGE`` on stderr and exit status 1, not a
-  traceback through torchtune's launcher.
+- :func:`config_errors_in_one_line`: a refusal (a ``ConfigKeyError``, an OmegaConf
+  interpolation error, an ``output_dir`` in use, a damaged or unwritable checkpoint) ends the
+  run with ``RECIPE: config error: MESSAGE`` (or ``checkpoint error``) on stderr and exit status
+  1, not a traceback through torchtune's launcher (``SQUASH_FULL_ERROR=1`` shows it).
 - :func:`open_metric_logger`: the run's metric logger and its config copy, made last in set-up.
 - :func:`close_metric_logger`: closes the run's metric logger and removes its log file when the
   run wrote nothing into it (a run that failed in set-up).
@@ -11,12 +12,16 @@ files left by a failed run, and third-party messages squash cannot act on kept q
 :mod:`squash._quiet`.)
 """
 
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from squash.config.keys import ConfigKeyError
+
+# Set to 1 for a refusal's traceback instead of its one line (as torchtune's HYDRA_FULL_ERROR).
+FULL_ERROR_ENV = "SQUASH_FULL_ERROR"
 
 
 def one_line(err: BaseException) -> str:
@@ -26,25 +31,35 @@ def one_line(err: BaseException) -> str:
 
 @contextmanager
 def config_errors_in_one_line(recipe: str) -> Iterator[None]:
-    """Run the body; a config error becomes ``RECIPE: config error: ...`` and exit status 1.
+    """Run the body; a refusal becomes one line on stderr and exit status 1, not a traceback
+    through torchtune's launcher: ``RECIPE: config error: ...`` for a ``ConfigKeyError``, an
+    OmegaConf error (an interpolation that does not resolve, a missing mandatory value) or an
+    ``output_dir`` in use by another run; ``RECIPE: checkpoint error: ...`` for a damaged
+    checkpoint (``CheckpointIntegrityError``) or one that cannot be written (a full disk:
+    ``CheckpointWriteError``, naming the checkpoint and the space left). With the environment
+    variable ``SQUASH_FULL_ERROR=1`` the error is raised as it is, with its traceback.
 
     Raises:
-        SystemExit: status 1, after printing the message, on a ``ConfigKeyError`` or an
-            OmegaConf error (an interpolation that does not resolve, a missing mandatory value);
-            a ``CheckpointIntegrityError`` as ``RECIPE: checkpoint error: ...``.
+        SystemExit: status 1, after printing the message.
     """
     from omegaconf.errors import OmegaConfBaseException
 
-    from squash.runs.manifest import CheckpointIntegrityError
+    from squash.runs.manifest import CheckpointIntegrityError, CheckpointWriteError
+    from squash.runs.run_lock import OutputDirInUseError
 
     try:
         yield
-    except (ConfigKeyError, OmegaConfBaseException) as err:
-        print(f"{recipe}: config error: {one_line(err)}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except CheckpointIntegrityError as err:
-        print(f"{recipe}: checkpoint error: {one_line(err)}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    except (ConfigKeyError, OmegaConfBaseException, OutputDirInUseError) as err:
+        _refuse(recipe, "config error", err)
+    except (CheckpointIntegrityError, CheckpointWriteError) as err:
+        _refuse(recipe, "checkpoint error", err)
+
+
+def _refuse(recipe: str, kind: str, err: BaseException) -> None:
+    if os.environ.get(FULL_ERROR_ENV, "") not in ("", "0"):
+        raise err
+    print(f"{recipe}: {kind}: {one_line(err)}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 def open_metric_logger(cfg: Any) -> Any:

@@ -152,6 +152,11 @@ def check_output_dir(cfg: DictConfig) -> Path:
 
 
 # ---- the lock -------------------------------------------------------------------------------------
+class OutputDirInUseError(RuntimeError):
+    """Another live run holds ``output_dir``'s lock; the message names it (a recipe prints it as
+    one config error: give another ``output_dir``)."""
+
+
 def describe(record: Dict[str, Any]) -> str:
     """One line naming the run of a lock record."""
     started = record.get("started")
@@ -184,7 +189,7 @@ class RunLock:
             run reads (data, tokenizer), recorded in the lock (each checkpoint copies it).
 
     Raises:
-        RuntimeError: another live run holds the lock; the message names it.
+        OutputDirInUseError: another live run holds the lock; the message names it.
         OSError: ``output_dir`` cannot be created or written, naming it.
     """
 
@@ -236,7 +241,7 @@ class RunLock:
             except BlockingIOError:
                 os.close(fd)
                 holder = read_lock(self.output_dir) or {}
-                raise RuntimeError(
+                raise OutputDirInUseError(
                     f"output_dir {self.output_dir} is in use by another run ({describe(holder)}); "
                     "wait for it to finish or give another output_dir"
                 ) from None
@@ -263,7 +268,7 @@ class RunLock:
                 except OSError:
                     pass
             os.close(fd)
-            raise RuntimeError(
+            raise OutputDirInUseError(
                 f"output_dir {self.output_dir} is in use by another run (its lock file "
                 f"{LOCK_FILE} was deleted, but the run still holds the directory); wait for it "
                 "to finish or give another output_dir"
@@ -388,7 +393,7 @@ def claim(cfg: DictConfig, *, lock: bool = True, trains: bool = True) -> Optiona
         ConfigKeyError: ``output_dir`` overlaps something the run reads, or holds checkpoints
             a fresh training run would mix with.
         CheckpointIntegrityError: a squash checkpoint it reads does not match its checkpoint.json.
-        RuntimeError: another live run owns ``output_dir``.
+        OutputDirInUseError: another live run owns ``output_dir`` (a ``RuntimeError``).
         OSError: ``output_dir`` cannot be written.
     """
     out = check_output_dir(cfg)

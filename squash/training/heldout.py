@@ -188,7 +188,8 @@ class HeldoutEvaluator:
         ignore_index (int): the loss's ignore index.
 
     Raises:
-        ConfigKeyError: ``heldout.prompt_index`` past the held-out samples.
+        ConfigKeyError: ``heldout.prompt_index`` past the held-out samples; a sample the model
+            answers that has no prompt (``train_on_input: True``) or no answer token.
     """
 
     def __init__(
@@ -211,6 +212,19 @@ class HeldoutEvaluator:
         self._ignore = ignore_index
         self._stop = list(getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id])
         self.before: Optional[Dict[str, Any]] = None
+        # each sample the model answers needs a prompt to generate from: a dataset that
+        # trains on its input (train_on_input: True) labels every token, leaving none
+        n = min(settings["exact_match_samples"], len(self.samples))
+        for i in sorted({settings["prompt_index"], *range(n)}):
+            try:
+                prompt = self.prompt(i)
+            except ValueError as e:  # no label token
+                raise ConfigKeyError(f"heldout.dataset: sample {i}: {e}") from e
+            if not prompt:
+                raise ConfigKeyError(
+                    f"heldout.dataset: sample {i} has no prompt to generate the held-out answer "
+                    "from (every token is a label); set heldout.dataset.train_on_input: False"
+                )
 
     def prompt(self, index: int) -> List[int]:
         """The prompt tokens of held-out sample ``index`` (see :func:`prompt_tokens`)."""
