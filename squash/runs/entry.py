@@ -36,7 +36,8 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
     OmegaConf error (an interpolation that does not resolve, a missing mandatory value) or an
     ``output_dir`` in use by another run; ``RECIPE: checkpoint error: ...`` for a damaged
     checkpoint (``CheckpointIntegrityError``) or one that cannot be written (a full disk:
-    ``CheckpointWriteError``, naming the checkpoint and the space left). With the environment
+    ``CheckpointWriteError``, naming the checkpoint and the space left); ``RECIPE: error: ...``
+    for an ``output_dir`` that is no longer the directory the run locked. With the environment
     variable ``SQUASH_FULL_ERROR=1`` the error is raised as it is, with its traceback.
 
     Raises:
@@ -45,7 +46,7 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
     from omegaconf.errors import OmegaConfBaseException
 
     from squash.runs.manifest import CheckpointIntegrityError, CheckpointWriteError
-    from squash.runs.run_lock import OutputDirInUseError
+    from squash.runs.run_lock import OutputDirInUseError, OutputDirLostError
 
     try:
         yield
@@ -53,6 +54,8 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
         _refuse(recipe, "config error", err)
     except (CheckpointIntegrityError, CheckpointWriteError) as err:
         _refuse(recipe, "checkpoint error", err)
+    except OutputDirLostError as err:
+        _refuse(recipe, "error", err)
 
 
 def _refuse(recipe: str, kind: str, err: BaseException) -> None:
@@ -69,6 +72,9 @@ def open_metric_logger(cfg: Any) -> Any:
     no config copy, nor overwrites the copy of the run it refused to resume."""
     from torchtune import config
 
+    from squash.runs.run_lock import check_owned
+
+    check_owned(Path(cfg.output_dir))
     logger = config.instantiate(cfg.metric_logger)
     logger.log_config(cfg)
     return logger
