@@ -57,7 +57,9 @@ QUICK = dict(teacher_steps=30, steps=2, lrs=[1e-2], extras_lr=1e-2, seeds=1)
 
 
 def tune(recipe: str, config: str, *overrides: str) -> None:
-    cmd = [TUNE, "run", recipe, "--config", str(ROOT / "configs" / config), *overrides]
+    # the CPU in fp32, as the table's host line says (the configs' device/dtype: auto could differ)
+    cmd = [TUNE, "run", recipe, "--config", str(ROOT / "configs" / config), "device=cpu",
+           "dtype=fp32", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TQDM_DISABLE": "1"})
     if proc.returncode != 0:

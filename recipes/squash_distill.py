@@ -36,9 +36,10 @@ from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
-from squash.training import data, steps
+from squash.training import data, placement, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
+from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -77,7 +78,8 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
           ``mask_update``, gradient accumulation, ``clip_grad_norm``, activation checkpointing,
           ``compile`` (student and teacher), chunked losses, lr schedules, metric loggers,
           atomic ``epoch_N``/``step_N`` checkpoints (squash adapter, PEFT adapter, merged
-          weights) and exact resume (model, optimizer, masks, lr scheduler, data position, RNG).
+          weights) and exact resume (model, optimizer, masks, lr scheduler, data position, RNG),
+          ``output_dir/training.png`` (``loss`` is the weighted sum).
         - A NaN or inf loss stops the run before the optimizer step, naming the step.
 
     Args:
@@ -95,11 +97,15 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
-        self._teacher_dtype = training.get_dtype(
-            cfg.get("teacher_dtype", None) or cfg.get("dtype", "fp32"), device=self._device
-        )
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        teacher_dtype, why = picked.dtype, "not set; = dtype"
+        if cfg.get("teacher_dtype", None) is not None:
+            teacher_dtype, why = placement.resolve_dtype(cfg.teacher_dtype, picked.device)
+            cfg.teacher_dtype = teacher_dtype
+        log.info(f"{picked.line()}; teacher_dtype: {teacher_dtype} ({why})")
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
+        self._teacher_dtype = training.get_dtype(teacher_dtype, device=self._device)
         if torch.float16 in (self._dtype, self._teacher_dtype):
             raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self._weights = {}
@@ -265,6 +271,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         )  # fmt: skip
         # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
         self._metric_logger = open_metric_logger(cfg)
+        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # output_dir/training.png
 
     def _setup_hidden_states(self) -> None:
         """Ask student and teacher for the hidden states SquareHead needs (none if its weight is
@@ -378,7 +385,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         """The training loop; step and epoch checkpoints as configured; with a ``heldout``
         block, the student's held-out loss and answer before the first step and after the last."""
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
         t0 = time.perf_counter()
         running: Dict[str, Any] = {}
         num_tokens, micro = 0, 0
@@ -470,12 +477,15 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
                 self._steps_in_epoch = 0
                 running, num_tokens, micro = {}, 0, 0
                 self.save_checkpoint(curr_epoch)
+                self._plot.draw()
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
 
     def cleanup(self) -> None:
         """Close the metric logger (its file is removed if the run logged nothing) and release
-        ``output_dir``'s lock."""
+        ``output_dir``'s lock; the picture is redrawn first (a run stopped by an error too)."""
+        if getattr(self, "_plot", None) is not None:
+            self._plot.draw()
         close_metric_logger(getattr(self, "_metric_logger", None))
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()

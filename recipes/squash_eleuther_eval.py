@@ -38,6 +38,7 @@ from torchtune._recipe_registry import get_all_recipes
 import squash  # noqa: F401  (registers ${squash_asset:NAME}, which the configs use)
 from squash.config.overrides import overrides_in_one_line
 from squash.eval_tasks import TASK_DIR
+from squash.training import placement
 
 
 def _load_torchtune_recipe(name: str):
@@ -119,9 +120,11 @@ class EleutherEvalRecipe(_TorchtuneEleutherEvalRecipe):
             raise RuntimeError(
                 "This recipe requires EleutherAI's lm-eval 0.4.5 or newer: pip install 'squash[eval]'"
             )
-        self.device = utils.get_device(device=cfg.device)
-        self.dtype = training.get_dtype(dtype=cfg.dtype, device=self.device)
         self.logger = utils.get_logger(cfg.get("log_level", "info"))
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        self.logger.info(picked.line())
+        self.device = utils.get_device(device=picked.device)
+        self.dtype = training.get_dtype(dtype=picked.dtype, device=self.device)
         training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
         self.limit = cfg.limit
         self.tasks = list(cfg.tasks)

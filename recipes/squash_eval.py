@@ -24,15 +24,15 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
-from squash.assembly.model_setup import load_base, setup_frozen_model
-from squash.config.keys import ConfigKeyError, check_component, get_int
+from squash.assembly.model_setup import assemble_trained_model, load_base, setup_frozen_model
+from squash.config.keys import check_component, get_int
 from squash.config.overrides import overrides_in_one_line
 from squash.config.validate import check_config
-from squash.modules import get_adapter_modules
+from squash.merge import trained_model_block
 from squash.runs import checkpoint as ckpt
 from squash.runs import run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line
-from squash.training import data
+from squash.training import data, placement
 from squash.training.heldout import next_token_loss
 
 log = utils.get_logger("INFO")
@@ -64,7 +64,9 @@ class SquashEvalRecipe(EvalRecipeInterface):
 
     Raises:
         ConfigKeyError: an unknown or misspelled key, a missing one, a bad value, a component that
-            does not accept a key, an ``adapter_dir`` for a model without adapters.
+            does not accept a key, a ``model`` key whose value differs from the one the run of
+            ``adapter_dir`` trained with (the adapter is evaluated in the model it trained in:
+            that run's ``model`` block, through the training assembly).
         FileNotFoundError: an ``adapter_dir`` without a squash adapter.
         ValueError: weights or an adapter that do not fit ``model``; a dataset with no token
             that counts.
@@ -72,8 +74,10 @@ class SquashEvalRecipe(EvalRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        log.info(picked.line())
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
         self._output_dir = Path(cfg.output_dir)
         self._batch_size = get_int(cfg, "batch_size", None, minimum=1)
         self._max_batches = get_int(cfg, "max_batches", None, minimum=1)
@@ -95,23 +99,27 @@ class SquashEvalRecipe(EvalRecipeInterface):
         # before the model: a corrected base (model.base_outliers) calibrates on its tokens
         self._tokenizer = config.instantiate(cfg.tokenizer)
         _, base_state_dict = load_base(cfg.checkpointer)
-        self._model = setup_frozen_model(
-            cfg.model,
-            base_state_dict,
-            device=self._device,
-            dtype=self._dtype,
-            where="model (checkpointer)",
-            tokenizer=self._tokenizer,
-        )
         adapter_dir = cfg.get("adapter_dir", None)
-        if adapter_dir is not None:
-            if not get_adapter_modules(self._model):
-                raise ConfigKeyError(
-                    f"adapter_dir is set but model {cfg.model._component_} has no adapters; use "
-                    "the squash_*/lora_* builder the adapter was trained with"
-                )
+        if adapter_dir is None:
+            self._model = setup_frozen_model(
+                cfg.model,
+                base_state_dict,
+                device=self._device,
+                dtype=self._dtype,
+                where="model (checkpointer)",
+                tokenizer=self._tokenizer,
+            )
+        else:  # the model the adapter trained in: its run's model block, the training assembly
             adapter_dir = Path(adapter_dir)
-            ckpt.load_adapter_into(self._model, ckpt.load_squash_adapter(adapter_dir), adapter_dir)
+            self._model = assemble_trained_model(
+                trained_model_block(cfg.model, adapter_dir),
+                base_state_dict,
+                ckpt.load_squash_adapter(adapter_dir),
+                adapter_source=adapter_dir,
+                device=self._device,
+                dtype=self._dtype,
+                tokenizer=self._tokenizer,
+            )
             log.info(f"Loaded the adapter of {adapter_dir}")
         if cfg.get("compile", False):
             training.compile_model(self._model)

@@ -14,7 +14,6 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
-from tqdm import tqdm
 
 from squash.assembly.model_setup import assemble_adapter_model, load_base
 from squash.config.keys import FINETUNE_CONFIG_KEYS, check_component, get_int
@@ -25,9 +24,10 @@ from squash.merge import export_checkpoint, missing_exports
 from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
-from squash.training import data, steps
+from squash.training import data, placement, progress, steps
 from squash.training.heldout import setup_heldout
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
+from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -51,8 +51,11 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
           ``until_step``; dense gradients are recorded only during the step before an update.
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``compile`` (per decoder layer), fp32/bf16, chunked cross-entropy, lr schedules,
-          torchtune's metric loggers, ``log_every_n_steps``, peak memory (max RSS on the CPU), a
-          progress bar with loss, lr and tokens/s.
+          torchtune's metric loggers, ``log_every_n_steps``, peak memory (max RSS on the CPU), one
+          progress bar for the run (loss, lr, tokens/s, time left); ``output_dir/training.png``
+          (loss, held-out loss and exact match, lr) redrawn at each evaluation and epoch end,
+          with matplotlib; at the end, where the checkpoint, picture and logs are and the
+          commands that use them.
         - Checkpoints ``output_dir/epoch_N`` and, every ``save_every_n_steps``,
           ``output_dir/step_N`` (the newest ``keep_last_n`` kept), each written atomically: squash
           adapter, PEFT adapter, merged HF weights (unless ``save_adapter_weights_only``) and the
@@ -75,8 +78,10 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        log.info(picked.line())
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
         if self._dtype == torch.float16:
             raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self._output_dir = Path(cfg.output_dir)
@@ -202,6 +207,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Last: a run that stops in set-up leaves no log file and no config copy behind (nor
         # overwrites the torchtune_config.yaml of the run it refused to resume).
         self._metric_logger = open_metric_logger(cfg)
+        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # output_dir/training.png
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
@@ -279,13 +285,13 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         """The training loop; step and epoch checkpoints as configured; with a ``heldout``
         block, the held-out loss and answer before the first step and after the last."""
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
         t0 = time.perf_counter()
         running_loss, num_tokens, micro = 0.0, 0, 0
+        pbar = progress.training_bar(self.total_epochs * self._steps_per_epoch, self.global_step)
         with self._profiler as prof:
             for curr_epoch in range(self.epochs_run, self.total_epochs):
                 self._dataloader.sampler.set_epoch(curr_epoch)
-                pbar = tqdm(total=self._steps_per_epoch, initial=self._steps_in_epoch)
                 # The RNG of a resumed run restored before or after making the iterator
                 batches = resume.epoch_batches(
                     self._dataloader,
@@ -356,17 +362,21 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
                         self.save_checkpoint(curr_epoch, name=f"step_{step}")
                         ckpt.prune_step_checkpoints(self._output_dir, self._keep_last_n)
                     t0 = time.perf_counter()
-                pbar.close()
                 self.epochs_run += 1
                 self._steps_in_epoch = 0
                 micro, running_loss, num_tokens = 0, 0.0, 0
                 self.save_checkpoint(curr_epoch)
+                self._plot.draw()
+        pbar.close()
         if self._heldout is not None:
-            self._heldout.report(self._model)
+            self._plot.evaluated(self._heldout.report(self._model), self.global_step)
+        print(progress.closing_lines(self._output_dir, self._last_checkpoint), flush=True)
 
     def cleanup(self) -> None:
         """Close the metric logger (its file is removed if the run logged nothing) and release
-        ``output_dir``'s lock."""
+        ``output_dir``'s lock; the picture is redrawn first (a run stopped by an error too)."""
+        if getattr(self, "_plot", None) is not None:
+            self._plot.draw()
         close_metric_logger(getattr(self, "_metric_logger", None))
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()

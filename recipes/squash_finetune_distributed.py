@@ -33,8 +33,9 @@ from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
 from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
 from squash.training import distributed as sq_dist
-from squash.training import data, steps
+from squash.training import data, placement, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due, record_dense_grads
+from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -71,7 +72,8 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         - Gradient accumulation, ``clip_grad_norm``, activation checkpointing (and offloading on
           CUDA), ``fsdp_cpu_offload`` (parameters, gradients and optimizer state on the CPU),
           ``fsdp_reshard_after_forward``, ``custom_sharded_layers``, ``compile`` (per layer),
-          fp32/bf16, lr schedules, torchtune's metric loggers (rank 0), peak memory.
+          fp32/bf16, lr schedules, torchtune's metric loggers (rank 0), peak memory,
+          ``output_dir/training.png`` (rank 0).
         - Checkpoints as ``squash_finetune`` writes them (``epoch_N``, ``step_N``, atomic; squash
           adapter, PEFT adapter, merged HF weights, recipe state), gathered on rank 0; the
           recipe state holds every rank's RNG and data position, so ``resume_from_checkpoint``
@@ -92,12 +94,15 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
-        self._device = utils.get_device(device=cfg.get("device", None))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
-        if self._dtype == torch.float16:
-            raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
+        picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
+        if self._is_rank_zero:
+            log.info(picked.line())
+        self._device = utils.get_device(device=picked.device)
+        self._dtype = training.get_dtype(picked.dtype, device=self._device)
+        if self._dtype == torch.float16:
+            raise ValueError("dtype: fp16 is not supported (no loss scaling); use fp32 or bf16")
         self._output_dir = Path(cfg.output_dir)
         self._log_every_n_steps = get_int(cfg, "log_every_n_steps", 1, minimum=1)
         self._log_peak_memory_stats = bool(cfg.get("log_peak_memory_stats", True))
@@ -212,6 +217,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
         # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
         if self._is_rank_zero:
             self._metric_logger = open_metric_logger(cfg)
+        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # rank 0 draws
 
     def _restore_counters(self, state: Dict[str, Any]) -> None:
         if state["world_size"] != self.world_size:
@@ -459,10 +465,13 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
                 running_loss.zero_()
                 num_tokens.zero_()
                 self.save_checkpoint(curr_epoch)
+                self._plot.draw()
 
     def cleanup(self) -> None:
         """Close the metric logger (its file is removed if the run logged nothing) and release
-        ``output_dir``'s lock (rank 0)."""
+        ``output_dir``'s lock (rank 0); the picture is redrawn first (a stopped run too)."""
+        if getattr(self, "_plot", None) is not None:
+            self._plot.draw()
         close_metric_logger(getattr(self, "_metric_logger", None))
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()

@@ -1,7 +1,8 @@
 """The ``squash`` command: ``squash ls`` and ``squash cp``, as torchtune's ``tune ls``/``tune cp``
 are for torchtune's own recipes and configs, ``squash validate CONFIG`` for squash's own config
 checks (``tune validate`` knows none of squash's keys), ``squash download`` for the models squash
-can get without a model hub, ``squash export`` (GGUF) and ``squash chat``.
+can get without a model hub, ``squash export`` (GGUF), ``squash chat`` and ``squash plot
+OUTPUT_DIR`` (a run's ``training.png``, redrawn from its logs).
 
 Recipes are installed as top-level modules (``squash_finetune``), so ``tune run squash_finetune``
 finds them from any directory; configs ship inside the package (``squash._configs``). torchtune's
@@ -230,7 +231,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     val.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
     val.add_argument("--recipe", choices=sorted(RECIPES),
                      help="the recipe it is for (default: from the config; squash_finetune)")  # fmt: skip
+    plot = sub.add_parser(
+        "plot", help="draw OUTPUT_DIR/training.png from the logs of a finished or killed run"
+    )
+    plot.add_argument("output_dir", help="a training run's output_dir")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        return _plot(args.output_dir)
     if args.command == "validate":
         return _validate(args.config, args.recipe, args.overrides)
     if args.command == "ls":
@@ -258,6 +265,33 @@ def _export(checkpoint_dir: str, dtype: str, output_dir: str, base: Optional[str
         print(f"squash export: {e}", file=sys.stderr)
         return 1
     print(f"Wrote {path}")
+    return 0
+
+
+def _plot(output_dir: str) -> int:
+    from squash.training import plot
+
+    out = Path(output_dir)
+    if not out.is_dir():
+        print(f"squash plot: no such directory: {output_dir}", file=sys.stderr)
+        return 1
+    if not plot.have_matplotlib():
+        print(f"squash plot: {plot.HINT}", file=sys.stderr)
+        return 1
+    log_dir = plot.log_dir_of(out)
+    series = plot.read_logs(log_dir)
+    if not series:
+        print(f"squash plot: no logged steps in {log_dir} (the run's DiskLogger files)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        path = plot.write_picture(out, series)
+    except OSError as e:
+        print(f"squash plot: {e}", file=sys.stderr)
+        return 1
+    evaluations = len(series.get(plot.HELDOUT_LOSS, {}))
+    print(f"Wrote {path} ({len(series.get('loss', {}))} logged steps, {evaluations} held-out "
+          f"evaluations, from {log_dir})")  # fmt: skip
     return 0
 
 

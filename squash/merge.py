@@ -213,6 +213,43 @@ def merge_adapter(
     return config, {k: v.float() for k, v in to_hf(merged, config, base_dir).items()}
 
 
+def trained_model_block(cfg_model: Any, checkpoint_dir: Path) -> Any:
+    """The model block to rebuild ``checkpoint_dir``'s adapter on: the block the run trained with
+    (its ``squash_adapter_config.json``, checked as every checkpoint's block is), under the keys
+    ``cfg_model`` (a config's ``model`` block) adds. What decides the model the adapter was
+    trained in (``init``, ``base_outliers``, ``quantize_base``, the rank...) is the run's, so an
+    evaluation config need not restate it, and one that says otherwise is refused.
+
+    Raises:
+        ConfigKeyError: one line naming ``model.KEY``, the run's value and the config's.
+        FileNotFoundError: no ``squash_adapter_config.json`` in ``checkpoint_dir``.
+    """
+    import inspect
+
+    from squash.config.keys import ConfigKeyError
+    from squash.models import adapter_builders
+
+    cfg_path = Path(checkpoint_dir) / ckpt.SQUASH_ADAPTER_CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"No {ckpt.SQUASH_ADAPTER_CONFIG_FILE} in {checkpoint_dir}")
+    trained = _model_block(cfg_path)
+    given = OmegaConf.to_container(cfg_model, resolve=True)
+    builder = adapter_builders()[trained["_component_"]]
+    defaults = {n: p.default for n, p in inspect.signature(builder).parameters.items()
+                if p.default is not inspect.Parameter.empty}  # fmt: skip
+    defaults.update(init="lora", loftq_iterations=1)
+    for key in sorted(given):
+        ran = trained.get(key, defaults.get(key, inspect.Parameter.empty))
+        if given[key] != ran:
+            was = "unset" if ran is inspect.Parameter.empty else repr(ran)
+            raise ConfigKeyError(
+                f"model.{key}: the adapter in {checkpoint_dir} was trained with {was}, the config "
+                f"says {given[key]!r}; drop model.{key} from the config (the run's own model "
+                "block is used) or set it as the run did"
+            )
+    return OmegaConf.merge(OmegaConf.create(trained), cfg_model)
+
+
 def _model_block(cfg_path: Path) -> Dict[str, Any]:
     try:
         block = json.loads(cfg_path.read_text()).get("model")

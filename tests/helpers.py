@@ -18,8 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "opt_tiny.yaml"
 TUNE = str(Path(sys.executable).with_name("tune"))
 
-# Small, quick runs of configs/opt_tiny.yaml: 4 samples a step.
-QUICK = ["batch_size=4", "log_every_n_steps=1"]
+# Small, quick runs of configs/opt_tiny.yaml: 4 samples a step, on the CPU in fp32 (the configs'
+# device: auto and dtype: auto would pick a GPU or bf16 on other hosts, and the numbers tests pin
+# and compare are the CPU's in fp32; tests/training/test_placement.py and the recipe test of auto
+# cover auto itself).
+QUICK = ["batch_size=4", "log_every_n_steps=1", "device=cpu", "dtype=fp32"]
 
 # Losses of the first steps of configs/opt_tiny.yaml with QUICK overrides, seed 1234, recorded
 # from squash_finetune (tests/recipes/test_squash_finetune.py; step 1 is also checked there

@@ -33,12 +33,22 @@ def test_recipe_is_found_from_the_config():
     ("model.lora_rnak=8", "model.lora_rnak: squash.models.opt.squash_opt_tiny takes no argument "
                           "'lora_rnak' (did you mean 'lora_rank'?)"),
     ("heldout.batch_size=2", "heldout needs a dataset block (heldout.dataset)"),
+    ("device=gpu", "device must be auto, cpu or cuda (cuda:N; cuda also means ROCm), got 'gpu'"),
+    ("dtype=float32", "dtype must be one of auto, bf16, fp32, fp16, fp64, got 'float32'"),
 ])
 def test_a_bad_key_is_one_line_naming_it(override, message, capsys):
     path = str(REPO / "configs" / "opt_tiny.yaml")
     assert main(["validate", path, override]) == 1
     err = capsys.readouterr().err
     assert err == f"squash validate: {path}: config error: {message}\n"
+
+
+@pytest.mark.parametrize("overrides", [
+    ["device=auto", "dtype=auto"], ["device=cpu", "dtype=bf16"], ["device=cuda:1", "dtype=fp32"],
+])
+def test_device_and_dtype_auto_or_explicit_validate(overrides, capsys):
+    assert main(["validate", str(REPO / "configs" / "opt_tiny.yaml"), *overrides]) == 0
+    assert "well-formed for squash_finetune" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -300,6 +300,34 @@ def _outlier_moments(model, cfg_model, base_state_dict, tokenizer, device, dtype
     return moments
 
 
+def assemble_trained_model(
+    cfg_model: DictConfig,
+    base_state_dict: Dict[str, torch.Tensor],
+    adapter: Dict[str, torch.Tensor],
+    *,
+    adapter_source: Union[str, Path],
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Any = None,
+) -> nn.Module:
+    """The model a run trained, rebuilt to be evaluated: :func:`assemble_adapter_model`, the
+    path training and resume take (with ``init: svd`` or ``loftq`` the base's residual under the
+    adapter, with ``model.base_outliers`` the corrected base), with ``adapter`` loaded, then
+    frozen and in eval mode. ``cfg_model`` is the block the run trained with
+    (:func:`squash.merge.trained_model_block`).
+
+    Raises:
+        ValueError: weights or an adapter that do not fit the model.
+    """
+    model = assemble_adapter_model(
+        cfg_model, base_state_dict, device=device, dtype=dtype, adapter=adapter,
+        adapter_source=adapter_source, tokenizer=tokenizer,
+    ).model  # fmt: skip
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
 def setup_frozen_model(
     cfg_model: DictConfig,
     state_dict: Dict[str, torch.Tensor],
@@ -310,7 +338,8 @@ def setup_frozen_model(
     tokenizer: Any = None,
 ) -> nn.Module:
     """Build ``cfg_model``, load ``state_dict``, freeze the model and put it in eval mode (a
-    distillation teacher, or a model to evaluate).
+    distillation teacher, or a model evaluated without an adapter; a trained adapter is
+    evaluated in the model it trained in, :func:`assemble_trained_model`).
 
     Every key must load, except adapter keys (``.lora_``) of a model with adapters, which keep
     their initialisation (``lora_b`` is zero, so the adapters add nothing until an adapter is

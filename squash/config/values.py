@@ -6,6 +6,7 @@ the key (or the file) and what it must be."""
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -68,17 +69,17 @@ def check_values(cfg: Mapping) -> None:
     """
     import torch
 
+    check_value_types(cfg)  # device's form first, then whether this machine has one
     device = cfg.get("device", None)
-    if isinstance(device, str) and device.split(":")[0] in ("cuda", "rocm", "hip"):
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
         if not torch.cuda.is_available():
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else (
                 f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only")
             raise ConfigKeyError(
                 f"device: {device}, but this machine has no usable GPU "
                 f"(torch.cuda.is_available() is False; torch {torch.__version__}, {build}); "
-                "use device: cpu or install a GPU build of torch"
+                "use device: auto or cpu, or install a GPU build of torch"
             )
-    check_value_types(cfg)
     tokenizer = cfg.get("tokenizer", None)
     if isinstance(tokenizer, Mapping):
         _check_tokenizer_files(tokenizer)
@@ -100,13 +101,15 @@ def check_values(cfg: Mapping) -> None:
 
 def check_value_types(cfg: Mapping) -> None:
     """The type and range of each value :func:`check_values` checks that needs no file and no
-    device (``squash validate`` runs these too): ``seed``, ``clip_grad_norm``, the true/false
+    device (``squash validate`` runs these too): ``device`` (auto, cpu, cuda[:N]), ``dtype`` and
+    ``teacher_dtype`` (auto or a precision), ``seed``, ``clip_grad_norm``, the true/false
     keys, the counts, ``optimizer.lr``, ``lr_scheduler.num_warmup_steps``, the adapter values
     of ``model`` and ``tokenizer.max_seq_len``.
 
     Raises:
         ConfigKeyError: naming the key and what it must be.
     """
+    _check_placement(cfg)
     get_int(cfg, "seed", None, minimum=0)
     _number(cfg, "clip_grad_norm", positive=True)
     for key in BOOLEAN_KEYS:
@@ -130,6 +133,24 @@ def check_value_types(cfg: Mapping) -> None:
             where = f"dataset[{i}]" if isinstance(dataset, (list, ListConfig)) else "dataset"
             for key in DATASET_BOOLEAN_KEYS:
                 _boolean(node, key, where)
+
+
+# What ``device`` and the dtype keys may say; ``auto`` is resolved by squash.training.placement.
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPES = ("auto", "bf16", "fp32", "fp16", "fp64")  # torchtune's precisions, and auto
+DTYPE_KEYS = ("dtype", "teacher_dtype")
+
+
+def _check_placement(cfg: Mapping) -> None:
+    device = cfg.get("device", None)
+    if device is not None and not (isinstance(device, str) and DEVICE_PATTERN.fullmatch(device)):
+        raise ConfigKeyError(
+            f"device must be auto, cpu or cuda (cuda:N; cuda also means ROCm), got {device!r}"
+        )
+    for key in DTYPE_KEYS:
+        value = cfg.get(key, None)
+        if value is not None and value not in DTYPES:
+            raise ConfigKeyError(f"{key} must be one of {', '.join(DTYPES)}, got {value!r}")
 
 
 # Keys the recipes read as true/false: a string there ('nope') would count as true.

@@ -1,5 +1,6 @@
 """Datasets squash builds at run time from files the standard library installs."""
 
+from squash.datasets.iso_dates import IsoDatesDataset, iso_date_pairs, iso_dates_dataset
 from squash.datasets.pydoc_text import (
     PydocTextDataset,
     encipher,
@@ -30,12 +31,15 @@ from squash.datasets.unicode_names import (
 )
 
 __all__ = [
+    "IsoDatesDataset",
     "PydocTextDataset",
     "PythonCodeDataset",
     "PythonDocsDataset",
     "UnicodeNamesDataset",
     "characters",
     "encipher",
+    "iso_date_pairs",
+    "iso_dates_dataset",
     "letter_cipher",
     "pydoc_documents",
     "pydoc_text",

@@ -10,7 +10,11 @@ copy them.
 - :mod:`~squash.training.data`: the resumable data loader, the records it names when one cannot
   be used, and the steps an epoch makes;
 - :mod:`~squash.training.heldout`: the held-out evaluation before and after training;
-- :mod:`~squash.training.memory`: adapter memory accounting.
+- :mod:`~squash.training.memory`: adapter memory accounting;
+- :mod:`~squash.training.placement`: the device and dtype a run uses (``auto`` resolved on the
+  host, with the reason the recipes log);
+- :mod:`~squash.training.plot`: the picture of a run (``training.png``), drawn from its logs;
+- :mod:`~squash.training.progress`: the run's progress bar and the lines it ends with.
 
 The rooms beside this one: :mod:`squash.config` (the config's keys and values, checked),
 :mod:`squash.runs` (what a run owns on disk: its lock, checkpoints, ``checkpoint.json``,

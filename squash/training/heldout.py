@@ -268,8 +268,9 @@ class HeldoutEvaluator:
             res["answer"] = self.answer(model, self._s["prompt_index"])
             n = min(self._s["exact_match_samples"], len(self.samples))
             if n:
-                # greedy answers take seconds each on a CPU: a progress bar where there are many
-                bar = tqdm(range(n), desc="held-out exact match", leave=False, disable=n < 32)
+                # greedy answers take seconds each on a CPU: a progress bar for them
+                bar = tqdm(range(n), desc="held-out answers", unit="answer", leave=False,
+                           disable=n < 2)  # fmt: skip
                 res["exact_match"] = sum(self.answer(model, i) == self.expected(i) for i in bar)
                 res["exact_match_of"] = n
         finally:

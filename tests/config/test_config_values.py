@@ -1,6 +1,7 @@
 """Bad values are named where they are given, not at the first step or deep inside a library."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -29,6 +30,24 @@ def test_a_gpu_device_without_a_gpu_is_an_error(monkeypatch):
     with pytest.raises(ConfigKeyError, match=r"device: cuda, but this machine has no usable GPU"):
         check_values(OmegaConf.create({"device": "cuda"}))
     check_values(OmegaConf.create({"device": "cpu"}))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("device", "gpu", "device must be auto, cpu or cuda (cuda:N; cuda also means ROCm), got 'gpu'"),
+    ("device", "cuda:x", "device must be auto, cpu or cuda (cuda:N; cuda also means ROCm), got 'cuda:x'"),
+    ("device", 0, "device must be auto, cpu or cuda (cuda:N; cuda also means ROCm), got 0"),
+    ("dtype", "bfloat16", "dtype must be one of auto, bf16, fp32, fp16, fp64, got 'bfloat16'"),
+    ("teacher_dtype", "half", "teacher_dtype must be one of auto, bf16, fp32, fp16, fp64, got 'half'"),
+])  # fmt: skip
+def test_unknown_devices_and_dtypes_are_named(key, value, message):
+    with pytest.raises(ConfigKeyError, match=f"^{re.escape(message)}$"):
+        check_values(OmegaConf.create({key: value}))
+
+
+def test_auto_and_the_known_values_pass():
+    for device in ("auto", "cpu", None):
+        for dtype in ("auto", "bf16", "fp32", None):
+            check_values(OmegaConf.create({"device": device, "dtype": dtype, "teacher_dtype": dtype}))
 
 
 def test_empty_and_missing_local_data_files_are_named(tmp_path):

@@ -33,6 +33,7 @@ Recipe = squash_finetune.SquashFinetuneRecipeSingleDevice
 def _cfg(out, **changes):
     cfg = OmegaConf.load(TINY_CONFIG)
     cfg.output_dir = str(out)
+    cfg.device, cfg.dtype = "cpu", "fp32"  # as tests.helpers.QUICK: the CPU in fp32 on any host
     cfg.batch_size = 4
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value, force_add=True)

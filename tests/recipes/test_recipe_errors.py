@@ -20,6 +20,7 @@ from squash.config.keys import ConfigKeyError  # noqa: E402
 def _cfg(tmp_path, **changes):
     cfg = OmegaConf.load(TINY_CONFIG)
     cfg.output_dir = str(tmp_path / "out")
+    cfg.device, cfg.dtype = "cpu", "fp32"  # as tests.helpers.QUICK: the CPU in fp32 on any host
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg

@@ -32,6 +32,7 @@ EVAL_CONFIG = REPO / "configs" / "opt_tiny_eval.yaml"
 def _cfg(out, path=TINY_CONFIG, **changes):
     cfg = OmegaConf.load(path)
     cfg.output_dir = str(out)
+    cfg.device, cfg.dtype = "cpu", "fp32"  # as tests.helpers.QUICK: the CPU in fp32 on any host
     cfg.batch_size = 4
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value, force_add=True)

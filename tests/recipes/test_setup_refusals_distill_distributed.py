@@ -27,6 +27,7 @@ ATTN = ("model (squash.models.opt.squash_opt_tiny): lora_attn_modules must be a 
 def _distill(out, key, value):
     cfg = OmegaConf.load(DISTILL)
     cfg.output_dir = str(out)
+    cfg.device, cfg.dtype = "cpu", "fp32"  # as tests.helpers.QUICK: the CPU in fp32 on any host
     OmegaConf.update(cfg, key, value, force_add=True)
     recipe = squash_distill.SquashDistillRecipeSingleDevice(cfg)
     try:

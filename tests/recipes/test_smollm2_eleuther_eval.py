@@ -49,7 +49,8 @@ def test_eleuther_eval_scores_equal_a_hand_computation(smollm2_checkpoint, tmp_p
     cmd = [TUNE, "run", "squash_eleuther_eval", "--config",
            str(REPO / "configs" / "smollm2_eleuther_eval.yaml"),
            f"checkpointer.checkpoint_dir={smollm2_checkpoint}", f"output_dir={tmp_path}",
-           "batch_size=8"]  # fmt: skip  (squash_facts is found without include_path)
+           "batch_size=8", "device=cpu", "dtype=fp32"]  # fmt: skip  (squash_facts is found without
+    # include_path; fp32 on the CPU, as _hand_scores computes)
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
     out = proc.stdout + proc.stderr

@@ -31,7 +31,8 @@ def test_copied_smollm2_config_runs_from_an_empty_directory(smollm2_checkpoint, 
          f"output_dir={tmp_path / 'out'}", f"checkpointer.checkpoint_dir={ckpt}",
          f"tokenizer.path={ckpt}", "max_steps_per_epoch=2", "batch_size=2",
          "heldout.dataset.max_samples=3", "heldout.max_new_tokens=3", "heldout.prompt_index=0",
-         "mask_update.every_n_steps=1", "mask_update.until_step=2"],
+         "mask_update.every_n_steps=1", "mask_update.until_step=2",
+         "device=cpu", "dtype=fp32"],  # the reference below is transformers' fp32 on the CPU
         cwd=work, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

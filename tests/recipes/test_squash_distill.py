@@ -46,7 +46,7 @@ def _eval(tmp_path, name, teacher_dir, *overrides):
     out = tmp_path / f"eval_{name}"
     held = teacher_script.dataset_overrides(teacher_dir, held_out=True)
     cmd = [TUNE, "run", "squash_eval", "--config", str(EVAL), f"output_dir={out}", *held,
-           *overrides]
+           "device=cpu", "dtype=fp32", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads((out / "eval_results.json").read_text())

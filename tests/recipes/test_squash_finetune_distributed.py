@@ -46,6 +46,19 @@ def runs(tmp_path_factory):
     return root
 
 
+def test_rank_zero_draws_the_picture_of_what_it_logged(runs):
+    from squash.training import plot
+
+    pytest.importorskip("matplotlib")
+    fig = plot.figure(plot.read_logs(runs / "dist" / "logs"))
+    lines = {line.get_label(): dict(zip(line.get_xdata().tolist(), line.get_ydata().tolist()))
+             for ax in fig.axes for line in ax.get_lines()}  # fmt: skip
+    assert lines == {"training loss": logged(runs / "dist"), "learning rate": logged(runs / "dist", "lr")}
+    assert sorted(lines["training loss"]) == STEPS
+    drawn = (runs / "dist" / "training.png").read_bytes()  # the run's last draw had every step
+    assert plot.write_picture(runs / "dist").read_bytes() == drawn
+
+
 def test_each_steps_loss_matches_the_single_device_recipe(runs):
     single, dist = logged(runs / "single"), logged(runs / "dist")
     assert sorted(single) == sorted(dist) == STEPS
