@@ -61,6 +61,7 @@ def config_errors_in_one_line(recipe: str) -> Iterator[None]:
 def _refuse(recipe: str, kind: str, err: BaseException) -> None:
     if os.environ.get(FULL_ERROR_ENV, "") not in ("", "0"):
         raise err
+    _close_progress_bars()  # the line starts a line of its own, not the end of a bar's
     print(f"{recipe}: {kind}: {one_line(err)}", file=sys.stderr, flush=True)
     raise SystemExit(1) from None
 
@@ -96,4 +97,15 @@ def close_metric_logger(logger: Any) -> None:
             if not any(path.parent.iterdir()):
                 path.parent.rmdir()
     except OSError:  # another process's file appeared, or permissions: leave it
+        pass
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars a run that stops midway leaves open (tqdm's, on stderr)."""
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+    except Exception:  # a refusal is printed whatever the bars do
         pass

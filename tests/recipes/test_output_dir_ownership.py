@@ -72,8 +72,7 @@ def test_a_stopped_run_whose_output_dir_changed_writes_nothing(tmp_path, capsys,
            "replaced": "it was deleted and another directory is at that path"}[what]  # fmt: skip
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    # the line follows the epoch's progress bar, which the stop leaves open
-    assert err.splitlines()[-1].split("\r")[-1].endswith(
+    assert err.splitlines()[-1] == (  # a line of its own, after the closed progress bars
         f"squash_finetune: error: output_dir {out} is no longer the directory this run locked "
         f"({was}); the run stops without writing there"
     )
