@@ -27,11 +27,10 @@ from squash.config.keys import (
     FINETUNE_CONFIG_KEYS,
     ConfigKeyError,
     check_component,
-    check_keys,
     get_int,
 )
 from squash.config.overrides import overrides_in_one_line
-from squash.config.values import check_values
+from squash.config.validate import check_config
 from squash.export import adapters
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.runs import checkpoint as ckpt
@@ -49,6 +48,9 @@ CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {
     "teacher", "teacher_checkpointer", "teacher_dtype", "task_weight", "kd_weight",
     "squarehead_weight", "squarehead_layers", "kd_loss", "squarehead_loss", "heldout",
 }  # fmt: skip
+# The keys the recipe cannot run without (``squash validate`` checks them too).
+REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "teacher",
+                 "teacher_checkpointer", "dataset", "optimizer", "loss", "epochs", "batch_size")
 
 
 class SquashDistillRecipeSingleDevice(FTRecipeInterface):
@@ -94,13 +96,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_keys(cfg, CONFIG_KEYS)
-        check_values(cfg)
-        for key in ("output_dir", "model", "tokenizer", "checkpointer", "teacher",
-                    "teacher_checkpointer", "dataset", "optimizer", "loss", "epochs",
-                    "batch_size"):  # fmt: skip
-            if cfg.get(key) is None:
-                raise ConfigKeyError(f"Missing config key: {key}")
+        check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
         picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
         teacher_dtype, why = picked.dtype, "not set; = dtype"
         if cfg.get("teacher_dtype", None) is not None:
@@ -246,6 +242,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._loss_fn.ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])

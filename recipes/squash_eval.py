@@ -25,9 +25,9 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import EvalRecipeInterface
 
 from squash.assembly.model_setup import assemble_trained_model, load_base, setup_frozen_model
-from squash.config.keys import ConfigKeyError, check_component, check_keys, get_int
+from squash.config.keys import check_component, get_int
 from squash.config.overrides import overrides_in_one_line
-from squash.config.values import check_values
+from squash.config.validate import check_config
 from squash.merge import trained_model_block
 from squash.runs import checkpoint as ckpt
 from squash.runs import run_lock
@@ -43,6 +43,8 @@ CONFIG_KEYS = {
     "ignore_index",
 }  # fmt: skip
 RESULTS_FILE = "eval_results.json"
+# The keys the recipe cannot run without (``squash validate`` checks them too).
+REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size")
 
 
 class SquashEvalRecipe(EvalRecipeInterface):
@@ -71,11 +73,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_keys(cfg, CONFIG_KEYS)
-        check_values(cfg)
-        for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "batch_size"):
-            if cfg.get(key) is None:
-                raise ConfigKeyError(f"Missing config key: {key}")
+        check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
         picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
         log.info(picked.line())
         self._device = utils.get_device(device=picked.device)
@@ -133,6 +131,7 @@ class SquashEvalRecipe(EvalRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
             drop_last=False,
         )
 

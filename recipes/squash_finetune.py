@@ -16,15 +16,9 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 from squash.assembly.model_setup import assemble_adapter_model, load_base
-from squash.config.keys import (
-    FINETUNE_CONFIG_KEYS,
-    ConfigKeyError,
-    check_component,
-    check_keys,
-    get_int,
-)
+from squash.config.keys import FINETUNE_CONFIG_KEYS, check_component, get_int
 from squash.config.overrides import overrides_in_one_line
-from squash.config.values import check_values
+from squash.config.validate import check_config
 from squash.export import adapters, parse_export_config
 from squash.merge import export_checkpoint, missing_exports
 from squash.runs import checkpoint as ckpt
@@ -39,6 +33,9 @@ log = utils.get_logger("INFO")
 
 # Every top-level key this recipe reads: torchtune's LoRA recipe keys plus squash's own.
 CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {"export", "heldout"}  # export: {gguf: [f16, q8_0]}
+# The keys the recipe cannot run without (``squash validate`` checks them too).
+REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
+                 "loss", "epochs", "batch_size")
 
 
 class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -80,12 +77,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_keys(cfg, CONFIG_KEYS)
-        check_values(cfg)
-        for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
-                    "loss", "epochs", "batch_size"):  # fmt: skip
-            if cfg.get(key) is None:
-                raise ConfigKeyError(f"Missing config key: {key}")
+        check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
         picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
         log.info(picked.line())
         self._device = utils.get_device(device=picked.device)
@@ -185,6 +177,7 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._loss_fn.ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
         )
         if recipe_state is not None and recipe_state.get("dataloader") is not None:
             self._dataloader.load_state_dict(recipe_state["dataloader"])

@@ -23,15 +23,9 @@ from tqdm import tqdm
 
 from squash.assembly import fsdp
 from squash.assembly.model_setup import assemble_adapter_model, load_base
-from squash.config.keys import (
-    FINETUNE_CONFIG_KEYS,
-    ConfigKeyError,
-    check_component,
-    check_keys,
-    get_int,
-)
+from squash.config.keys import FINETUNE_CONFIG_KEYS, check_component, get_int
 from squash.config.overrides import overrides_in_one_line
-from squash.config.values import check_values
+from squash.config.validate import check_config
 from squash.export import adapters
 from squash.modules import get_adapter_buffers
 from squash.modules.surgery import state_dict_key
@@ -50,6 +44,9 @@ log = utils.get_logger("INFO")
 CONFIG_KEYS = FINETUNE_CONFIG_KEYS | {
     "fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_sharded_layers", "debug",
 }  # fmt: skip
+# The keys the recipe cannot run without (``squash validate`` checks them too).
+REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
+                 "loss", "epochs", "batch_size")
 
 
 class SquashFinetuneRecipeDistributed(FTRecipeInterface):
@@ -96,12 +93,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_keys(cfg, CONFIG_KEYS)
-        check_values(cfg)
-        for key in ("output_dir", "model", "tokenizer", "checkpointer", "dataset", "optimizer",
-                    "loss", "epochs", "batch_size"):  # fmt: skip
-            if cfg.get(key) is None:
-                raise ConfigKeyError(f"Missing config key: {key}")
+        check_config(cfg, CONFIG_KEYS, REQUIRED_KEYS)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
         picked = placement.resolve_config(cfg)  # auto: this host's choice, recorded
@@ -197,6 +189,7 @@ class SquashFinetuneRecipeDistributed(FTRecipeInterface):
             seed=self.seed,
             collate_fn=cfg.get("collate_fn", None),
             ignore_index=self._loss_fn.ignore_index,
+            recorded=None if self._run_lock is None else self._run_lock.inputs,
             num_replicas=self.world_size,
             rank=self.rank,
         )

@@ -107,13 +107,20 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: no such directory, or neither merged weights nor an adapter in it.
-        ValueError: a checkpoint or base that fails its checks, or that transformers cannot load.
+        ValueError: a checkpoint or base that fails its checks, that transformers cannot load,
+            or whose tokenizer has no chat template.
     """
     from squash.merge import load_checkpoint_model
 
     loaded = load_checkpoint_model(Path(checkpoint_dir), base)
-    model = _transformers_model(loaded.config, loaded.weights, loaded.tokenizer_dir).to(device)
     tokenizer = _tokenizer(loaded.tokenizer_dir)
+    if not tokenizer.chat_template:  # before the model is built, not at the first prompt
+        raise ValueError(
+            f"{loaded.tokenizer_dir} has no chat template (chat_template.jinja, or chat_template "
+            "in tokenizer_config.json), which chat needs to turn messages into a prompt; add the "
+            "base model's template there"
+        )
+    model = _transformers_model(loaded.config, loaded.weights, loaded.tokenizer_dir).to(device)
 
     # transformers 5.x names the KV cache ``cache``; 4.x ``past_key_values``
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -185,6 +192,10 @@ def main(args: argparse.Namespace) -> int:
         ids = chat.generate(
             chat.prompt_ids(history), args.max_new_tokens, args.temperature, args.top_k, generator
         )
-        answer = stream(chat, ids, sys.stdout)
+        try:
+            answer = stream(chat, ids, sys.stdout)
+        except ValueError as e:  # a bad --max-new-tokens, --temperature or --top-k
+            print(f"squash chat: {' '.join(str(e).split())}", file=sys.stderr)
+            return 1
         history.append({"role": "assistant", "content": chat.tokenizer.decode(answer, skip_special_tokens=True)})
     return 0

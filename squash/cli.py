@@ -148,25 +148,22 @@ def recipe_for(config_path: str) -> str:
 
 
 def _validate(config_path: str, recipe: Optional[str], overrides: List[str]) -> int:
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from squash.config.keys import ConfigKeyError
-    from squash.config.validate import validate_config
+    from squash.config.validate import load_config, validate_config
     from squash.runs.entry import one_line
 
-    if not Path(config_path).is_file():
-        print(f"squash validate: no such config file: {config_path}", file=sys.stderr)
-        return 1
-    recipe = recipe or recipe_for(config_path)
-    if recipe not in RECIPES:
-        print(f"squash validate: unknown recipe {recipe!r}; known: {', '.join(RECIPES)}",
-              file=sys.stderr)  # fmt: skip
-        return 1
     try:
-        cfg = OmegaConf.merge(OmegaConf.load(config_path), OmegaConf.from_dotlist(overrides))
-        keys = importlib.import_module(recipe).CONFIG_KEYS
-        validate_config(cfg, keys)
+        # what tune run refuses before building, with the line it prints after "config error:"
+        cfg = load_config(config_path, overrides)
+        recipe = recipe or recipe_for(config_path)
+        if recipe not in RECIPES:
+            print(f"squash validate: unknown recipe {recipe!r}; known: {', '.join(RECIPES)}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        module = importlib.import_module(recipe)
+        validate_config(cfg, module.CONFIG_KEYS, getattr(module, "REQUIRED_KEYS", ()))
     except (ConfigKeyError, OmegaConfBaseException) as err:
         print(f"squash validate: {config_path}: config error: {one_line(err)}", file=sys.stderr)
         return 1

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from squash.export.hf_files import load_merged_checkpoint
 from squash.runs import checkpoint as ckpt
-from squash.runs import manifest
+from squash.runs import manifest, run_lock
 
 if TYPE_CHECKING:  # the gguf package is loaded when a model is read, not on import
     from gguf.metadata import Metadata
@@ -443,12 +443,24 @@ def export_checkpoint(
     _refuse_inside(output_dir, [checkpoint_dir])
     model = load_checkpoint_model(checkpoint_dir, base)
     _refuse_inside(output_dir, model.reads)
+    # the directories made here are removed again, when still empty, if the export fails (a
+    # family GGUF cannot carry is found only when writing): a refused export leaves nothing
+    run_lock.check_owned(output_dir)  # a recipe's export into its output_dir: still its own
+    created = [p for p in (output_dir, *output_dir.parents) if not p.exists()][::-1]
     output_dir.mkdir(parents=True, exist_ok=True)
-    return [
-        write_gguf(model.config, model.weights, model.tokenizer_dir, d,
-                   export_path(checkpoint_dir, d, output_dir), model.meta, model.source)
-        for d in dtypes
-    ]  # fmt: skip
+    try:
+        return [
+            write_gguf(model.config, model.weights, model.tokenizer_dir, d,
+                       export_path(checkpoint_dir, d, output_dir), model.meta, model.source)
+            for d in dtypes
+        ]  # fmt: skip
+    except BaseException:
+        for path in reversed(created):
+            try:
+                path.rmdir()  # only if empty
+            except OSError:
+                break
+        raise
 
 
 def export_path(checkpoint_dir: Path, dtype: str, output_dir: Optional[Path] = None) -> Path:

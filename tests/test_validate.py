@@ -63,3 +63,50 @@ def test_tune_validate_accepts_what_squash_validate_rejects(tmp_path):
         f"squash validate: {cfg}: config error: Unknown config key(s): batch_szie "
         "(did you mean 'batch_size'?)"
     ]
+
+
+def test_each_bad_value_the_recipe_refuses_is_refused_with_its_line(tmp_path, capsys):
+    """The config-refusal tests' list of bad values (each one line from the recipe, checked
+    there), through `squash validate`: the same message."""
+    from omegaconf import OmegaConf
+
+    from tests.recipes.test_config_refusals import BAD_VALUES
+
+    for i, (key, value, message) in enumerate(BAD_VALUES):
+        cfg = OmegaConf.load(REPO / "configs" / "opt_tiny.yaml")
+        OmegaConf.update(cfg, key, value, force_add=True)
+        path = tmp_path / f"bad_{i}.yaml"
+        OmegaConf.save(cfg, path)
+        assert main(["validate", str(path)]) == 1
+        assert capsys.readouterr().err == f"squash validate: {path}: config error: {message}\n", key
+
+
+@pytest.mark.slow
+def test_tune_run_and_squash_validate_refuse_each_non_config_with_the_same_line(tmp_path):
+    """The real `tune run` and `squash validate` on each config the in-process tests refuse
+    (tests/config/test_refused_configs.py): no traceback, and the same message after
+    ``config error:``, naming the file or the key."""
+    from omegaconf import OmegaConf
+
+    from tests.config.test_refused_configs import bad_files
+
+    cases = {case: path for case, (path, _) in bad_files(tmp_path).items()}
+    for key in ("model", "tokenizer"):
+        cfg = OmegaConf.load(REPO / "configs" / "opt_tiny.yaml")
+        del cfg[key]
+        cases[f"no_{key}"] = tmp_path / f"no_{key}.yaml"
+        OmegaConf.save(cfg, cases[f"no_{key}"])
+    for case, path in cases.items():
+        out = tmp_path / f"out_{case}"
+        tune = subprocess.run([str(BIN / "tune"), "run", "squash_finetune", "--config", str(path),
+                               f"output_dir={out}"], capture_output=True, text=True, timeout=300)  # fmt: skip
+        ours = subprocess.run([str(BIN / "squash"), "validate", str(path)], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        for proc in (tune, ours):
+            assert proc.returncode == 1 and "Traceback" not in proc.stderr, (case, proc.stderr)
+        tune_line = [line for line in tune.stderr.splitlines() if line.strip()][-1]
+        assert tune_line.startswith("squash_finetune: config error: "), (case, tune.stderr)
+        assert ours.stderr.splitlines() == [f"squash validate: {path}: config error: "
+                                            + tune_line.split("config error: ", 1)[1]], case  # fmt: skip
+        assert str(path) in tune_line or case.startswith("no_"), case
+        assert not out.exists(), case

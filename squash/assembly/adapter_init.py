@@ -14,6 +14,7 @@ from typing import Dict, Mapping, Tuple
 import torch
 from torch import nn
 
+from squash.config.keys import ConfigKeyError
 from squash.modules import FFILinear, SparseLoRALinear, get_adapter_modules, is_plain_lora
 from squash.modules.ffi_linear import kaiming_uniform_
 from squash.modules.sparse_lora import initialize_lora_factors_, svd_factors
@@ -110,12 +111,23 @@ def svd_initial_state(
     Returns:
         Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]: the adapter tensors and the
         residual base weights, keyed as in ``model.state_dict()``.
+
+    Raises:
+        ConfigKeyError: an adapter rank above the smaller side of its weight, naming
+            ``model.lora_rank``.
     """
     adapter, residual = {}, {}
     for name, module in get_adapter_modules(model).items():
         key = f"{name}.weight"
         if not isinstance(module, SparseLoRALinear) or key not in base_state_dict:
             continue
+        bound = min(base_state_dict[key].shape)
+        if module.rank > bound:
+            raise ConfigKeyError(
+                f"model.lora_rank={module.rank} is above what model.init: svd can give {name} "
+                f"(a {tuple(base_state_dict[key].shape)} weight has {bound} singular vectors); "
+                f"set model.lora_rank <= {bound} or model.init: lora"
+            )
         state, rest = svd_factors(
             base_state_dict[key].detach().cpu(), rank=module.rank, scaling=module.scaling,
             fan_in_a=getattr(module.lora_a, "fan_in", None),

@@ -9,6 +9,10 @@ flow mapping needs a space after each colon, so ``export={gguf:[f16,q8_0]}`` end
     squash_finetune: config error: the override 'export={gguf:[f16,q8_0]}' is not valid YAML
     (found unexpected ':'); give the key in dotted form: 'export.gguf=[f16,q8_0]' (or quote a
     mapping with a space after each colon: 'export={gguf: [f16, q8_0]}')
+
+It also reads the ``--config`` file first (:func:`squash.config.validate.load_config`): a
+directory, a YAML syntax error, a top-level list or an empty file is one line naming the file,
+the line ``squash validate`` prints, where torchtune's parser would end in a traceback.
 """
 
 import re
@@ -21,8 +25,9 @@ import yaml
 
 @contextmanager
 def overrides_in_one_line(recipe: str, argv: Optional[List[str]] = None) -> Iterator[None]:
-    """Run the body (a recipe's ``recipe_main``, which parses the command line); a YAML error in
-    an override becomes ``RECIPE: config error: ...`` naming it, and exit status 1.
+    """Run the body (a recipe's ``recipe_main``, which parses the command line) once its
+    ``--config`` file reads as a config; a file that does not, or a YAML error in an override,
+    becomes ``RECIPE: config error: ...`` naming it, and exit status 1.
 
     Args:
         recipe (str): the recipe's name, for the message.
@@ -31,14 +36,35 @@ def overrides_in_one_line(recipe: str, argv: Optional[List[str]] = None) -> Iter
     Raises:
         SystemExit: status 1, after printing the message.
     """
+    from squash.config.keys import ConfigKeyError
+    from squash.config.validate import load_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    path = config_argument(argv)
+    if path is not None:
+        try:
+            load_config(path)
+        except ConfigKeyError as err:
+            print(f"{recipe}: config error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
     try:
         yield
     except yaml.YAMLError as err:
-        override = bad_override(sys.argv[1:] if argv is None else argv)
+        override = bad_override(argv)
         if override is None:
             raise
         print(f"{recipe}: config error: {describe(override, err)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def config_argument(argv: List[str]) -> Optional[str]:
+    """The value of ``--config`` (``--config FILE`` or ``--config=FILE``), if given."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg[len("--config="):]
+    return None
 
 
 def bad_override(argv: List[str]) -> Optional[str]:

@@ -89,8 +89,13 @@ def write_checkpoint(
 
     Returns:
         Path: the checkpoint directory.
+
+    Raises:
+        OutputDirLostError: ``output_dir`` is no longer the directory the run locked (checked
+            before anything is written and again before the rename): nothing is left there.
     """
     output_dir = Path(output_dir)
+    run_lock.check_owned(output_dir)
     with atomic_directory(output_dir / name) as work:
         _save_hf_files(checkpointer, exports.checkpointer_state, work, adapter_only)
         # The PEFT adapter goes one level down: transformers' from_pretrained on a directory with
@@ -108,6 +113,7 @@ def write_checkpoint(
         meta = {"epoch": epoch, "global_step": global_step}
         # hashes: written last
         manifest.write_meta(work, meta, recipe_state, run_lock.read_lock(output_dir))
+        run_lock.check_owned(output_dir)  # still ours, or the temporary is removed unrenamed
     return output_dir / name
 
 
@@ -136,6 +142,7 @@ def prune_step_checkpoints(output_dir: Path, keep_last_n: Optional[int]) -> List
     all). Directories without a readable ``checkpoint.json`` are neither counted nor deleted."""
     if keep_last_n is None:
         return []
+    run_lock.check_owned(output_dir)  # never another run's step checkpoints
     steps = sorted(
         (n, path) for n, path in _numbered(Path(output_dir), "step_") if read_meta(path)
     )

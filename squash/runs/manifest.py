@@ -256,35 +256,48 @@ def check_counters(path: Path, meta: Dict[str, Any], recipe_state: Dict[str, Any
             )
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished directory); the
+    message names the checkpoint, the directory and the space left there."""
+
+
 def names_write_errors(write: Callable) -> Callable:
     """Decorate a checkpoint writer ``write(output_dir, name, ...)`` so that a failed write (a
-    full disk, a read-only or vanished directory) raises an ``OSError`` naming the checkpoint,
-    the directory and the space left, instead of the writer's own message (torch.save's
-    ``[enforce fail at inline_container.cc] unexpected pos``)."""
+    full disk, a read-only or vanished directory) raises a :class:`CheckpointWriteError` naming
+    the checkpoint, the directory and the space left, instead of the writer's own message
+    (torch.save's ``[enforce fail at inline_container.cc] unexpected pos``, safetensors'
+    ``SafetensorError: Error while serializing: IoError(... No space left on device ...)``)."""
 
     @functools.wraps(write)
     def wrapper(output_dir, name, *args, **kwargs):
         try:
             return write(output_dir, name, *args, **kwargs)
-        except (OSError, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not _is_io_error(e):
+        except CheckpointWriteError:
+            raise
+        except Exception as e:
+            if not isinstance(e, OSError) and not _is_io_error(e):
                 raise
             try:
                 free = f"{shutil.disk_usage(output_dir).free / 2**20:.1f} MiB free there"
             except OSError:
                 free = "its free space unknown"
-            raise OSError(
-                f"Cannot write checkpoint {name} into output_dir {output_dir} ({free}): {e}. "
-                "The checkpoints already there are unchanged"
+            raise CheckpointWriteError(
+                f"Cannot write checkpoint {name} into output_dir {output_dir} ({free}): "
+                f"{' '.join(str(e).split())}. The checkpoints already there are unchanged"
             ) from e
 
     return wrapper
 
 
-def _is_io_error(e: RuntimeError) -> bool:
+def _is_io_error(e: Exception) -> bool:
+    """A writer's error that is an I/O failure: torch.save's (a ``RuntimeError``) or safetensors'
+    (a ``SafetensorError``), told by their text."""
+    if not isinstance(e, RuntimeError) and type(e).__name__ != "SafetensorError":
+        return False
     text = str(e)
     return any(s in text for s in ("inline_container", "unexpected pos", "PytorchStreamWriter",
-                                   "file write failed", "No space left", "Errno"))  # fmt: skip
+                                   "file write failed", "No space left", "Errno", "IoError",
+                                   "os error"))  # fmt: skip
 
 
 def verify_inputs(cfg: Any) -> None:

@@ -19,6 +19,11 @@
    cleaned only once the lock is held, so start-up never deletes those of a live run.
    (``flock`` is local to one machine on some network file systems; two machines writing to
    one NFS ``output_dir`` are not detected there.)
+3. :func:`check_owned` before every write into ``output_dir`` (checkpoints, pruning, the config
+   copy, exports): the path must still be the directory the lock holds. Deleted, renamed or
+   replaced by another run's directory while the run was stopped, it raises
+   :class:`OutputDirLostError` and nothing is written; the lock's release then leaves the
+   path, and whatever is there now, untouched.
 """
 
 import fcntl
@@ -152,6 +157,36 @@ def check_output_dir(cfg: DictConfig) -> Path:
 
 
 # ---- the lock -------------------------------------------------------------------------------------
+class OutputDirLostError(RuntimeError):
+    """``output_dir`` is no longer the directory this run locked (deleted, renamed, replaced);
+    the message names it and what happened. Nothing was written there."""
+
+
+# The locks this process holds: what :func:`check_owned` checks a path against.
+_HELD: List["RunLock"] = []
+
+
+def check_owned(path: Path) -> None:
+    """Before a write into ``path`` (or into a directory inside it): if this process holds the
+    lock of a run whose ``output_dir`` is ``path`` or contains it, that directory must still be
+    the one locked (:meth:`RunLock.check_owned`). A path no lock of this process covers (a
+    writer outside a run, an export's own ``--output-dir``) passes, and so does one that a
+    later lock of this process holds again (two runs one after the other in one process).
+
+    Raises:
+        OutputDirLostError: naming the directory and what became of it.
+    """
+    target = Path(path).resolve()
+    covering = [lock for lock in _HELD if lock.key == target or lock.key in target.parents]
+    if covering and all(lock.lost() is not None for lock in covering):
+        covering[-1].check_owned()
+
+
+class OutputDirInUseError(RuntimeError):
+    """Another live run holds ``output_dir``'s lock; the message names it (a recipe prints it as
+    one config error: give another ``output_dir``)."""
+
+
 def describe(record: Dict[str, Any]) -> str:
     """One line naming the run of a lock record."""
     started = record.get("started")
@@ -184,7 +219,7 @@ class RunLock:
             run reads (data, tokenizer), recorded in the lock (each checkpoint copies it).
 
     Raises:
-        RuntimeError: another live run holds the lock; the message names it.
+        OutputDirInUseError: another live run holds the lock; the message names it.
         OSError: ``output_dir`` cannot be created or written, naming it.
     """
 
@@ -221,6 +256,8 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps(self.record, indent=2, sort_keys=True).encode(), 0)
         os.fsync(self._fd)
+        self.key = self.output_dir.resolve()  # the path as it was when locked
+        _HELD.append(self)
 
     def _acquire(self) -> int:
         while True:
@@ -236,7 +273,7 @@ class RunLock:
             except BlockingIOError:
                 os.close(fd)
                 holder = read_lock(self.output_dir) or {}
-                raise RuntimeError(
+                raise OutputDirInUseError(
                     f"output_dir {self.output_dir} is in use by another run ({describe(holder)}); "
                     "wait for it to finish or give another output_dir"
                 ) from None
@@ -263,7 +300,7 @@ class RunLock:
                 except OSError:
                     pass
             os.close(fd)
-            raise RuntimeError(
+            raise OutputDirInUseError(
                 f"output_dir {self.output_dir} is in use by another run (its lock file "
                 f"{LOCK_FILE} was deleted, but the run still holds the directory); wait for it "
                 "to finish or give another output_dir"
@@ -279,13 +316,61 @@ class RunLock:
             )
         return fd
 
+    def lost(self) -> Optional[str]:
+        """None while ``output_dir`` is the directory this lock holds; else what became of it
+        (deleted, renamed, replaced), in words."""
+        if self._dir_fd is None:
+            return "this run released its lock"
+        held = os.fstat(self._dir_fd)
+        try:
+            now = os.stat(self.output_dir)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return None
+        where = _fd_path(self._dir_fd)
+        moved = (f"it is now {where}" if where and Path(where) != self.output_dir
+                 else "it was deleted")  # fmt: skip
+        if now is None:
+            return f"{moved} and nothing is at that path"
+        holder = read_lock(self.output_dir)
+        other = f" (locked by {describe(holder)})" if holder and holder.get("pid") != os.getpid() else ""
+        return f"{moved} and another directory is at that path{other}"
+
+    def check_owned(self) -> None:
+        """Raise unless ``output_dir`` is still the directory this lock holds.
+
+        Raises:
+            OutputDirLostError: naming the directory and what became of it.
+        """
+        what = self.lost()
+        if what is not None:
+            raise OutputDirLostError(
+                f"output_dir {self.output_dir} is no longer the directory this run locked "
+                f"({what}); the run stops without writing there"
+            )
+
+    @property
+    def inputs(self) -> Optional[Dict[str, Dict[str, Any]]]:
+        """The input files' record this run made when it started (:func:`input_record`): what
+        the data loader checks the files it reads against."""
+        return self.record["inputs"]
+
     def release(self) -> None:
         """Remove the lock file, drop the lock and remove the directories the lock created if
         they are empty (idempotent)."""
         if self._fd is None:
             return
+        if self in _HELD:
+            _HELD.remove(self)
+        # the path, when no longer our directory (another run's now), is left as it is; our lock
+        # file is removed from our directory, wherever that is now (through its descriptor)
+        owned = self.lost() is None
         try:
-            os.unlink(self.path)
+            if self._dir_fd is not None and os.stat(LOCK_FILE, dir_fd=self._dir_fd).st_ino == (
+                os.fstat(self._fd).st_ino
+            ):
+                os.unlink(LOCK_FILE, dir_fd=self._dir_fd)
         except OSError:
             pass
         os.close(self._fd)
@@ -293,6 +378,8 @@ class RunLock:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
+        if not owned:
+            return
         try:
             for name in sorted(set(os.listdir(self.output_dir)) - self._entries):
                 _remove_empty_dirs(self.output_dir / name)
@@ -312,6 +399,15 @@ class RunLock:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def _fd_path(fd: int) -> Optional[str]:
+    """Where the directory open as ``fd`` is now (Linux's /proc), None if unknown or deleted."""
+    try:
+        where = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return None if where.endswith(" (deleted)") else where
 
 
 def _remove_empty_dirs(path: Path) -> None:
@@ -382,7 +478,7 @@ def claim(cfg: DictConfig, *, lock: bool = True, trains: bool = True) -> Optiona
         ConfigKeyError: ``output_dir`` overlaps something the run reads, or holds checkpoints
             a fresh training run would mix with.
         CheckpointIntegrityError: a squash checkpoint it reads does not match its checkpoint.json.
-        RuntimeError: another live run owns ``output_dir``.
+        OutputDirInUseError: another live run owns ``output_dir`` (a ``RuntimeError``).
         OSError: ``output_dir`` cannot be written.
     """
     out = check_output_dir(cfg)

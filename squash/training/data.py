@@ -1,9 +1,18 @@
 """The data a training recipe reads: a stateful (resumable) loader over the ``dataset`` block,
 sharded over ranks for a distributed run, whose records name themselves when one cannot be used
-(:class:`NamedRecordErrors`), and the optimizer steps an epoch of it makes."""
+(:class:`NamedRecordErrors`), and the optimizer steps an epoch of it makes.
 
+Local data files are read by content (:func:`instantiate_dataset`): the HF ``datasets`` cache
+knows a local file by its path and modification time, so a file edited in place keeping both
+(``cp -p``, ``rsync -t``, ``touch -r``, an edit within the timestamp resolution) would be read
+from the cache as it was. Each dataset block gets a cache directory of its own content."""
+
+import hashlib
+import inspect
+import shutil
 from functools import partial
-from typing import Any, Mapping, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
 
 from omegaconf import ListConfig
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -29,22 +38,26 @@ def setup_dataloader(
     drop_last: bool = True,
     num_replicas: int = 1,
     rank: int = 0,
+    recorded: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> StatefulDataLoader:
     """A stateful (resumable) data loader over ``cfg_dataset`` (one dataset block or a list).
 
     With ``num_replicas`` N, rank r takes samples r, r + N, r + 2N, ... of the seeded
     permutation: N ranks with ``batch_size`` b see, step by step, the samples one device sees
-    with batch size N * b.
+    with batch size N * b. ``recorded``: the run's record of its input files
+    (:func:`squash.runs.run_lock.input_record`), whose sha256 the data read must have
+    (:func:`instantiate_dataset`).
 
     Raises:
-        ConfigKeyError: if the data lacks a column the dataset needs, naming the columns it has.
+        ConfigKeyError: if the data lacks a column the dataset needs, naming the columns it has;
+            a local data file whose content is not the one the run recorded.
     """
     try:
         if isinstance(cfg_dataset, ListConfig):
-            ds = ConcatDataset([config.instantiate(c, tokenizer) for c in cfg_dataset])
+            ds = ConcatDataset([instantiate_dataset(c, tokenizer, recorded) for c in cfg_dataset])
             packed = getattr(ds, "packed", False)
         else:
-            ds = config.instantiate(cfg_dataset, tokenizer)
+            ds = instantiate_dataset(cfg_dataset, tokenizer, recorded)
             packed = cfg_dataset.get("packed", False)
         ds = NamedRecordErrors(ds, dataset_where(cfg_dataset))
         ds[0]  # a missing column shows here, not deep inside the first step
@@ -68,6 +81,97 @@ def setup_dataloader(
         collate_fn=collate if not packed else padded_collate_packed,
         drop_last=drop_last,
     )
+
+
+def local_data_files(node: Any) -> List[Path]:
+    """The local files a dataset block reads, resolved and sorted: its ``data_files`` that exist
+    here, every file under its ``data_dir`` and under (or at) a ``source`` that is a local path.
+    Remote data (a Hub name, a URL) is not among them: the ``datasets`` cache keys it itself."""
+    if not isinstance(node, Mapping):
+        return []
+    paths = [Path(v) for v in _strings(node.get("data_files"))]
+    paths += [Path(v) for k in ("data_dir", "source") for v in _strings(node.get(k))]
+    files = set()
+    for path in (p.expanduser() for p in paths):
+        if path.is_file():
+            files.add(path.resolve())
+        elif path.is_dir():
+            files.update(f.resolve() for f in path.rglob("*") if f.is_file())
+    return sorted(files)
+
+
+def _strings(value: Any) -> List[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, Mapping):
+        return [s for v in value.values() for s in _strings(v)]
+    return []
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def content_cache_dir(files: List[Path], shas: List[str], root: Optional[str] = None) -> Path:
+    """The ``datasets`` cache directory of data whose local files ``files`` hold ``shas``: under
+    ``root`` (the block's own ``cache_dir``, else the ``datasets`` default), one directory per
+    content, so an edit that keeps a file's path, size and mtime still reads the new bytes."""
+    if root is None:
+        import datasets
+
+        root = datasets.config.HF_DATASETS_CACHE
+    key = hashlib.sha256("\n".join(f"{f}:{s}" for f, s in zip(files, shas)).encode()).hexdigest()
+    return Path(root).expanduser() / "squash-by-content" / key[:32]
+
+
+def _accepts_cache_dir(node: Mapping) -> bool:
+    """Whether the block's builder takes ``cache_dir`` (torchtune's pass ``**load_dataset_kwargs``
+    to ``datasets.load_dataset``)."""
+    try:
+        builder = _get_component_from_path(node["_component_"])
+        params = inspect.signature(builder).parameters.values()
+    except Exception:  # not introspectable: instantiate it as it is
+        return False
+    return any(p.name == "cache_dir" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def instantiate_dataset(
+    node: Any, tokenizer: Any, recorded: Optional[Mapping[str, Mapping[str, Any]]] = None
+) -> Any:
+    """``config.instantiate(node, tokenizer)``, reading the block's local data files by content:
+    its builder is given a ``cache_dir`` keyed by their sha256 (:func:`content_cache_dir`), the
+    one the run recorded for a file in ``recorded`` (:func:`squash.runs.run_lock.input_record`),
+    else hashed here. After loading, each file is hashed again: a file changed meanwhile (so the
+    cache may hold other bytes than its key says) is refused, and that cache removed.
+
+    Raises:
+        ConfigKeyError: a local data file changed since the run hashed it, naming it.
+    """
+    files = local_data_files(node)
+    if not files or "_component_" not in node or not _accepts_cache_dir(node):
+        return config.instantiate(node, tokenizer)
+    by_path: Dict[str, str] = {
+        str(r["path"]): str(r["sha256"]) for r in (recorded or {}).values()
+        if isinstance(r, Mapping) and "path" in r and "sha256" in r
+    }
+    shas = [by_path.get(str(f)) or _sha256(f) for f in files]
+    cache = content_cache_dir(files, shas, node.get("cache_dir"))
+    ds = config.instantiate(node, tokenizer, cache_dir=str(cache))
+    for f, sha in zip(files, shas):
+        if _sha256(f) != sha:
+            shutil.rmtree(cache, ignore_errors=True)
+            raise ConfigKeyError(
+                f"{dataset_where(node)}: {f} changed while the run read it (sha256 "
+                f"{_sha256(f)[:12]}..., recorded {sha[:12]}...); start the run again once the "
+                "file is as it should be"
+            )
+    return ds
 
 
 def check_tokens_to_train(ds: Any, tokenizer: Any, ignore_index: int, where: str, n: int = 8) -> None:

@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
 from tqdm import tqdm
 
@@ -33,6 +32,7 @@ from squash.config.blocks import (  # noqa: F401  (parse_heldout: heldout.* as b
     parse_heldout,
 )
 from squash.config.keys import ConfigKeyError
+from squash.training.data import instantiate_dataset
 
 def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(tokens)
@@ -188,13 +188,14 @@ class HeldoutEvaluator:
         ignore_index (int): the loss's ignore index.
 
     Raises:
-        ConfigKeyError: ``heldout.prompt_index`` past the held-out samples.
+        ConfigKeyError: ``heldout.prompt_index`` past the held-out samples; a sample the model
+            answers that has no prompt (``train_on_input: True``) or no answer token.
     """
 
     def __init__(
         self, settings: Dict[str, Any], tokenizer: Any, device: torch.device, ignore_index: int
     ) -> None:
-        ds = config.instantiate(settings["dataset"], tokenizer)
+        ds = instantiate_dataset(settings["dataset"], tokenizer)
         self.samples = [ds[i] for i in range(len(ds))]
         # a question-answer dataset (squash.datasets) says what the answer is; otherwise the
         # answer is what the labels decode to
@@ -211,6 +212,19 @@ class HeldoutEvaluator:
         self._ignore = ignore_index
         self._stop = list(getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id])
         self.before: Optional[Dict[str, Any]] = None
+        # each sample the model answers needs a prompt to generate from: a dataset that
+        # trains on its input (train_on_input: True) labels every token, leaving none
+        n = min(settings["exact_match_samples"], len(self.samples))
+        for i in sorted({settings["prompt_index"], *range(n)}):
+            try:
+                prompt = self.prompt(i)
+            except ValueError as e:  # no label token
+                raise ConfigKeyError(f"heldout.dataset: sample {i}: {e}") from e
+            if not prompt:
+                raise ConfigKeyError(
+                    f"heldout.dataset: sample {i} has no prompt to generate the held-out answer "
+                    "from (every token is a label); set heldout.dataset.train_on_input: False"
+                )
 
     def prompt(self, index: int) -> List[int]:
         """The prompt tokens of held-out sample ``index`` (see :func:`prompt_tokens`)."""

@@ -74,7 +74,8 @@ def trained(tmp_path_factory):
 
 
 # ---- values: type and range, named, before anything is written ------------------------------------
-@pytest.mark.parametrize("key, value, message", [
+# (tests/test_validate.py runs this list through `squash validate` too)
+BAD_VALUES = [
     ("save_adapter_weights_only", "nope", "save_adapter_weights_only must be true or false, got 'nope'"),
     ("shuffle", "maybe", "shuffle must be true or false, got 'maybe'"),
     ("enable_activation_checkpointing", "nope",
@@ -104,7 +105,10 @@ def trained(tmp_path_factory):
     ("model.quantize_base", "yes", "model.quantize_base must be true or false, got 'yes'"),
     ("model.apply_lora_to_mlp", "no", "model.apply_lora_to_mlp must be true or false, got 'no'"),
     ("dataset.packed", "no", "dataset.packed must be true or false, got 'no'"),
-])  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value, message", BAD_VALUES)
 def test_each_bad_value_is_one_line_naming_its_key_and_nothing_is_written(tmp_path, key, value, message):
     out = tmp_path / "new" / "out"
     _refused(_cfg(out, **{key: value}), ConfigKeyError, message, tmp_path / "new")

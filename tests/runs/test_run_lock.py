@@ -131,3 +131,44 @@ def test_an_output_dir_that_cannot_be_created_names_it(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=f"output_dir {tmp_path / 'file' / 'out'} cannot be created"):
         run_lock.RunLock(tmp_path / "file" / "out")
+
+
+# ---- ownership: the path must still be the directory locked ---------------------------------------
+def _tree(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(Path(path).rglob("*"))}  # fmt: skip
+
+
+@pytest.mark.parametrize("what", ["deleted", "renamed", "replaced"])
+def test_a_lock_whose_directory_is_gone_refuses_writes_and_leaves_the_path_alone(tmp_path, what):
+    out = tmp_path / "out"
+    lock = run_lock.RunLock(out)
+    run_lock.check_owned(out)
+    run_lock.check_owned(out / "epoch_0")  # inside it: ours too
+    moved = tmp_path / "moved"
+    if what == "renamed":
+        out.rename(moved)
+    else:
+        os.remove(out / run_lock.LOCK_FILE)
+        out.rmdir()
+    if what in ("renamed", "replaced"):  # another run's directory at the path now
+        out.mkdir()
+        (out / run_lock.LOCK_FILE).write_text(json.dumps({"pid": 4242, "host": "h", "command": "B"}))
+        (out / "epoch_0").mkdir()
+    before = _tree(out) if out.exists() else None
+    was = {"deleted": "it was deleted and nothing is at that path",
+           "renamed": f"it is now {moved} and another directory is at that path (locked by "
+                      "pid 4242 on host h, started ?: B)",
+           "replaced": "it was deleted and another directory is at that path (locked by pid 4242 "
+                       "on host h, started ?: B)"}[what]  # fmt: skip
+    for path in (out, out / "epoch_0"):
+        with pytest.raises(run_lock.OutputDirLostError) as info:
+            run_lock.check_owned(path)
+        assert str(info.value) == (f"output_dir {out} is no longer the directory this run locked "
+                                   f"({was}); the run stops without writing there")  # fmt: skip
+    run_lock.check_owned(tmp_path / "elsewhere")  # a path no lock covers
+    lock.release()
+    assert (_tree(out) if out.exists() else None) == before  # its lock file and dirs untouched
+    if what == "renamed":
+        assert sorted(p.name for p in moved.iterdir()) == []  # the lock file went with it, removed
+    run_lock.check_owned(out)  # released: nothing to check
