@@ -99,22 +99,24 @@ def _eos_ids(directory: Path, tokenizer) -> List[int]:
 
 
 def load_checkpoint(
-    checkpoint_dir: Path, base: Optional[Path] = None, device: str = "cpu"
+    checkpoint_dir: Path, base: Optional[Path] = None, device: str = "cpu", template: bool = True
 ) -> ChatModel:
     """The model of ``checkpoint_dir`` through transformers, with a KV cache: its merged weights,
     or its adapter merged in memory into the base its ``checkpoint.json`` records (checked
     against the recorded hashes; ``base`` names the base if it moved), see :mod:`squash.merge`.
+    ``template=False`` accepts a tokenizer without a chat template, for generation from token
+    ids alone.
 
     Raises:
         FileNotFoundError: no such directory, or neither merged weights nor an adapter in it.
         ValueError: a checkpoint or base that fails its checks, that transformers cannot load,
-            or whose tokenizer has no chat template.
+            or whose tokenizer has no chat template (unless ``template`` is False).
     """
     from squash.merge import load_checkpoint_model
 
     loaded = load_checkpoint_model(Path(checkpoint_dir), base)
     tokenizer = _tokenizer(loaded.tokenizer_dir)
-    if not tokenizer.chat_template:  # before the model is built, not at the first prompt
+    if template and not tokenizer.chat_template:  # before the model is built, not at a prompt
         raise ValueError(
             f"{loaded.tokenizer_dir} has no chat template (chat_template.jinja, or chat_template "
             "in tokenizer_config.json), which chat needs to turn messages into a prompt; add the "

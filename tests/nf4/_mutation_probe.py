@@ -136,7 +136,7 @@ def run(out: Path) -> None:
     ckpt = out / "run" / "epoch_0"
     merged = load_checkpoint_model(ckpt).weights
     save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "merged.safetensors"))
-    said = list(load_checkpoint(ckpt).generate([2, 100, 200, 300], 4))
+    said = list(load_checkpoint(ckpt, template=False).generate([2, 100, 200, 300], 4))
     print(json.dumps({"adapter": sorted(p.name for p in (ckpt / "adapter").iterdir()),
                       "merged": len(merged), "chat": said}))  # fmt: skip
 
