@@ -170,3 +170,18 @@ def nf4_reference_llama(checkpoint_dir: Path):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model.eval()
+
+
+def finetune_in_process(cfg):
+    """``squash_finetune``'s recipe on ``cfg`` in this process (setup, train, cleanup even on an
+    error); returns the recipe, its model as trained."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    import squash_finetune
+
+    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
+    try:
+        recipe.setup(cfg)
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    return recipe

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import REPO, TINY_CONFIG, logged
+from tests.helpers import REPO, TINY_CONFIG, finetune_in_process, logged
 
 sys.path.insert(0, str(REPO / "recipes"))
-import squash_finetune  # noqa: E402
 
 from squash.config.keys import ConfigKeyError  # noqa: E402
 from squash.runs import manifest  # noqa: E402
@@ -31,12 +30,7 @@ def _train(out: Path, data_file: Path, **changes) -> dict:
     for key, value in {"output_dir": str(out), "dataset.data_files": str(data_file), **KEYS,
                        **changes}.items():  # fmt: skip
         OmegaConf.update(cfg, key, value, force_add=True)
-    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
-    try:
-        recipe.setup(cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = finetune_in_process(cfg)
     return logged(out)
 
 

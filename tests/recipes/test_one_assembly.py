@@ -14,11 +14,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import REPO, TINY_CONFIG
+from tests.helpers import REPO, TINY_CONFIG, finetune_in_process
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_eval  # noqa: E402
-import squash_finetune  # noqa: E402
 
 from squash.assembly.model_setup import setup_frozen_model  # noqa: E402
 from squash.config.keys import ConfigKeyError  # noqa: E402
@@ -49,12 +48,7 @@ def _train(out, changes):
     after them (the reference) and the checkpoint directory."""
     cfg = _cfg(TINY_CONFIG, out, epochs=1, max_steps_per_epoch=3, batch_size=4,
                **{"optimizer.lr": 1e-2}, **changes)  # fmt: skip
-    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
-    try:
-        recipe.setup(cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = finetune_in_process(cfg)
     return recipe._model.eval(), out / "epoch_0"
 
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import REPO, TINY_CONFIG
+from tests.helpers import REPO, TINY_CONFIG, finetune_in_process
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_finetune  # noqa: E402
@@ -83,12 +83,7 @@ def test_a_resume_redoes_the_export_a_killed_run_never_finished(tmp_path, monkey
     def run(export_fn, **changes):
         monkeypatch.setattr(squash_finetune, "export_checkpoint", export_fn)
         cfg = _cfg(tmp_path, **keys, **changes)
-        recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
-        try:
-            recipe.setup(cfg)
-            recipe.train()
-        finally:
-            recipe.cleanup()
+        recipe = finetune_in_process(cfg)
 
     with pytest.raises(KeyboardInterrupt):
         run(kill_during_export)

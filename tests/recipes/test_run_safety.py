@@ -15,7 +15,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import QUICK, REPO, TINY_CONFIG, TUNE, rehash_checkpoint, tune_run
+from tests.helpers import (
+    QUICK, REPO, TINY_CONFIG, TUNE, finetune_in_process, rehash_checkpoint, tune_run,
+)
 
 sys.path.insert(0, str(REPO / "recipes"))
 import squash_eval  # noqa: E402
@@ -64,12 +66,7 @@ def trained(tmp_path_factory):
     """A finished 2-step run (one step an epoch): epoch_0 and epoch_1, with merged weights."""
     out = tmp_path_factory.mktemp("trained") / "out"
     cfg = _cfg(out, **KEYS)
-    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
-    try:
-        recipe.setup(cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = finetune_in_process(cfg)
     assert not (out / ".squash-run.lock").exists()  # released at cleanup
     return out
 
@@ -265,12 +262,7 @@ def test_a_resume_after_the_data_or_the_base_weights_changed_in_place_is_refused
     inputs = {"checkpointer.checkpoint_dir": str(base), "dataset.data_files": str(data)}
     out = tmp_path / "out"
     cfg = _cfg(out, **KEYS, **inputs)
-    recipe = squash_finetune.SquashFinetuneRecipeSingleDevice(cfg)
-    try:
-        recipe.setup(cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = finetune_in_process(cfg)
     shutil.rmtree(out / "epoch_1")  # as if killed after epoch_0
     recorded = manifest.verify(out / "epoch_0")["inputs"]["dataset.data_files"]
     assert recorded["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
