@@ -35,6 +35,30 @@ class ChatDataset(Dataset):
         return {"tokens": tokens, "labels": labels}
 
 
+class QuestionAnswerDataset(ChatDataset):
+    """A :class:`ChatDataset` whose items are ``(subject, answer)`` pairs: each sample asks the
+    subclass's ``QUESTION`` with the subject in its ``{SUBJECT}`` field (masked out of the loss)
+    and is answered by the answer."""
+
+    QUESTION = "{subject}"
+    SUBJECT = "subject"
+
+    def messages(self, index: int) -> List[Message]:
+        """The untokenized chat of sample ``index``."""
+        return [
+            Message(role="user", content=self.question(index), masked=True),
+            Message(role="assistant", content=self.answer(index)),
+        ]
+
+    def question(self, index: int) -> str:
+        """The question of sample ``index``."""
+        return self.QUESTION.format(**{self.SUBJECT: self.items[index][0]})
+
+    def answer(self, index: int) -> str:
+        """The expected answer of sample ``index``."""
+        return self.items[index][1]
+
+
 def first_samples(items: Sequence, max_samples: Optional[int]) -> Sequence:
     """The first ``max_samples`` of ``items`` (all of them for None).
 

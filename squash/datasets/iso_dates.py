@@ -14,9 +14,7 @@ import datetime
 import random
 from typing import Any, List, Optional, Tuple
 
-from torchtune.data import Message
-
-from squash.datasets._chat import ChatDataset
+from squash.datasets._chat import QuestionAnswerDataset
 
 FIRST, LAST = datetime.date(1900, 1, 1), datetime.date(2099, 12, 31)
 SPLITS = ("train", "validation", "test")
@@ -50,7 +48,7 @@ def iso_date_pairs(split: str = "train", seed: int = 0) -> List[Tuple[str, str]]
     return [(spoken(d), d.isoformat()) for d in parts[split]]
 
 
-class IsoDatesDataset(ChatDataset):
+class IsoDatesDataset(QuestionAnswerDataset):
     """Tokenized samples of one split (``{"tokens", "labels"}``, the question masked out of the
     loss), through the model tokenizer's chat template, as :class:`UnicodeNamesDataset`.
 
@@ -64,25 +62,12 @@ class IsoDatesDataset(ChatDataset):
         ValueError: an unknown split or a ``max_samples`` below 1.
     """
 
+    QUESTION, SUBJECT = QUESTION, "date"
+
     def __init__(
         self, tokenizer: Any, split: str = "train", seed: int = 0, max_samples: Optional[int] = None
     ) -> None:
         super().__init__(tokenizer, iso_date_pairs(split, seed), max_samples)
-
-    def messages(self, index: int) -> List[Message]:
-        """The untokenized chat of sample ``index``."""
-        return [
-            Message(role="user", content=self.question(index), masked=True),
-            Message(role="assistant", content=self.answer(index)),
-        ]
-
-    def question(self, index: int) -> str:
-        """The question of sample ``index``."""
-        return QUESTION.format(date=self.items[index][0])
-
-    def answer(self, index: int) -> str:
-        """The expected answer (``YYYY-MM-DD``) of sample ``index``."""
-        return self.items[index][1]
 
 
 def iso_dates_dataset(

@@ -34,9 +34,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from torchtune.data import Message
-
-from squash.datasets._chat import ChatDataset
+from squash.datasets._chat import QuestionAnswerDataset
 
 SPLITS = ("train", "validation", "test")
 QUESTION = "Explain {name} from Python's standard library."
@@ -156,7 +154,7 @@ def first_sentence(answer: str) -> str:
     return SENTENCE_END.split(answer, maxsplit=1)[0]
 
 
-class PythonDocsDataset(ChatDataset):
+class PythonDocsDataset(QuestionAnswerDataset):
     """Tokenized samples of one split, as torchtune's chat datasets give them:
     ``{"tokens": [...], "labels": [...]}`` with the question's labels set to the ignore index.
 
@@ -170,27 +168,14 @@ class PythonDocsDataset(ChatDataset):
         ValueError: an unknown split or a ``max_samples`` below 1.
     """
 
+    QUESTION, SUBJECT = QUESTION, "name"
+
     def __init__(
         self, tokenizer: Any, split: str = "train", seed: int = 0, max_samples: Optional[int] = None
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         super().__init__(tokenizer, python_doc_splits(seed)[split], max_samples)
-
-    def messages(self, index: int) -> List[Message]:
-        """The untokenized chat of sample ``index``."""
-        return [
-            Message(role="user", content=self.question(index), masked=True),
-            Message(role="assistant", content=self.answer(index)),
-        ]
-
-    def question(self, index: int) -> str:
-        """The question of sample ``index``."""
-        return QUESTION.format(name=self.items[index][0])
-
-    def answer(self, index: int) -> str:
-        """The expected answer (the docstring's opening prose) of sample ``index``."""
-        return self.items[index][1]
 
     def first_sentence(self, index: int) -> str:
         """The first sentence of sample ``index``'s answer."""

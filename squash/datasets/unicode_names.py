@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 from torchtune.data import Message
 
-from squash.datasets._chat import ChatDataset
+from squash.datasets._chat import QuestionAnswerDataset
 
 # (first, last) code points of the blocks drawn from, inclusive.
 BLOCKS = (
@@ -84,7 +84,7 @@ def unicode_name_messages(char: str, name: str) -> List[Message]:
     ]
 
 
-class UnicodeNamesDataset(ChatDataset):
+class UnicodeNamesDataset(QuestionAnswerDataset):
     """Tokenized samples of one split, as torchtune's chat/instruct datasets give them:
     ``{"tokens": [...], "labels": [...]}`` with the prompt's labels set to the ignore index.
 
@@ -101,6 +101,8 @@ class UnicodeNamesDataset(ChatDataset):
         ValueError: an unknown split or a ``max_samples`` below 1.
     """
 
+    QUESTION, SUBJECT = QUESTION, "char"
+
     def __init__(
         self, tokenizer: Any, split: str = "train", seed: int = 0, max_samples: Optional[int] = None
     ) -> None:
@@ -110,19 +112,6 @@ class UnicodeNamesDataset(ChatDataset):
     def pairs(self) -> List[Tuple[str, str]]:
         """``(character, name)`` of each sample (the items)."""
         return self.items
-
-    def messages(self, index: int) -> List[Message]:
-        """The untokenized chat of sample ``index``."""
-        return unicode_name_messages(*self.items[index])
-
-    def question(self, index: int) -> str:
-        """The question of sample ``index``."""
-        return QUESTION.format(char=self.items[index][0])
-
-    def answer(self, index: int) -> str:
-        """The expected answer (the character's name) of sample ``index``."""
-        return self.items[index][1]
-
 
 
 def unicode_names_dataset(
