@@ -3,6 +3,7 @@ writes checkpoints (the recipes' :mod:`squash.runs.checkpoint`, OPT's checkpoint
 config block as plain containers for the JSON files they write (:func:`to_plain`)."""
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -101,3 +102,10 @@ def clean_stale_temporaries(output_dir: Path) -> List[str]:
     return done
 
 
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

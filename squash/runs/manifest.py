@@ -34,6 +34,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
+from squash._io import file_sha256
+
 META_FILE = "checkpoint.json"  # = squash.runs.checkpoint.CHECKPOINT_META_FILE
 RECIPE_STATE = "recipe_state.pt"
 FORMAT = 2
@@ -42,20 +44,10 @@ FIELDS = frozenset({"epoch", "global_step", "format", "counters", "files", "conf
                     "inputs", "sha256"})  # fmt: skip
 COUNTERS = ("epochs_run", "global_step", "steps_in_epoch", "seed", "total_epochs",
             "max_steps_per_epoch", "world_size")  # fmt: skip
-_CHUNK = 1 << 20
 
 
 class CheckpointIntegrityError(ValueError):
     """A checkpoint directory whose files do not match its ``checkpoint.json``; names the file."""
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_table(path: Path) -> Dict[str, Dict[str, Any]]:

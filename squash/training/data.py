@@ -22,7 +22,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
-from squash._io import to_plain
+from squash._io import file_sha256, to_plain
 from squash.config.keys import ConfigKeyError
 
 
@@ -110,14 +110,6 @@ def _strings(value: Any) -> List[str]:
     return []
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def content_cache_dir(files: List[Path], shas: List[str], root: Optional[str] = None) -> Path:
     """The ``datasets`` cache directory of data whose local files ``files`` hold ``shas``: under
     ``root`` (the block's own ``cache_dir``, else the ``datasets`` default), one directory per
@@ -160,15 +152,16 @@ def instantiate_dataset(
         str(r["path"]): str(r["sha256"]) for r in (recorded or {}).values()
         if isinstance(r, Mapping) and "path" in r and "sha256" in r
     }
-    shas = [by_path.get(str(f)) or _sha256(f) for f in files]
+    shas = [by_path.get(str(f)) or file_sha256(f) for f in files]
     cache = content_cache_dir(files, shas, node.get("cache_dir"))
     ds = config.instantiate(node, tokenizer, cache_dir=str(cache))
     for f, sha in zip(files, shas):
-        if _sha256(f) != sha:
+        now = file_sha256(f)
+        if now != sha:
             shutil.rmtree(cache, ignore_errors=True)
             raise ConfigKeyError(
                 f"{dataset_where(node)}: {f} changed while the run read it (sha256 "
-                f"{_sha256(f)[:12]}..., recorded {sha[:12]}...); start the run again once the "
+                f"{now[:12]}..., recorded {sha[:12]}...); start the run again once the "
                 "file is as it should be"
             )
     return ds

