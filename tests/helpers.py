@@ -82,11 +82,17 @@ def tune_run(output_dir: Path, *overrides: str, recipe: str = "squash_finetune",
     OVERRIDES`` in ``cwd`` (``--standalone``: torchrun on a free port)."""
     cmd = [TUNE, "run", *launcher(nproc), recipe, "--config", str(config),
            f"output_dir={output_dir}", *QUICK, *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**run_env(), "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def run_env() -> Dict[str, str]:
+    """This process's environment without tqdm's ``TQDM_*`` settings (``TQDM_DISABLE=1`` in a
+    caller's shell hides every bar): a run under test shows what a user's default shell shows."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
 
 
 def launcher(nproc: int) -> List[str]:
