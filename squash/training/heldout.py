@@ -16,15 +16,23 @@ A config's ``heldout`` block names a dataset of held-out samples (the same kind 
 The held-out loss is the mean cross-entropy per label token (the answer tokens of a chat
 sample: those whose label is not the ignore index), token-weighted over all samples, computed as
 the training loss is (labels shifted by one). The greedy answer decodes the argmax token after
-the prompt (the tokens before the first label token) until a stop token or ``max_new_tokens``.
+the prompt (the tokens before the first label token) until a stop token or ``max_new_tokens``;
+the answers are decoded ``batch_size`` prompts at a time (left-padded, with a KV cache where the
+model has torchtune's), the same tokens as one prompt at a time without a cache.
 """
 
+import contextlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
+from torchtune.generation import (
+    get_causal_mask_from_padding_mask,
+    get_position_ids_from_padding_mask,
+)
+from torchtune.modules.common_utils import local_kv_cache
 from tqdm import tqdm
 
 from squash.config.blocks import (  # noqa: F401  (parse_heldout: heldout.* as before)
@@ -34,8 +42,8 @@ from squash.config.blocks import (  # noqa: F401  (parse_heldout: heldout.* as b
 from squash.config.keys import ConfigKeyError
 from squash.training.data import instantiate_dataset
 
-def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    out = model(tokens)
+def _logits(model: nn.Module, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    out = model(tokens, **kwargs)
     if isinstance(out, list):  # chunked output (CEWithChunkedOutputLoss)
         out = torch.cat(out, dim=1)
     return out.float()  # (b, s, vocab)
@@ -177,6 +185,76 @@ def greedy_tokens(
     return out
 
 
+def _cacheable(model: nn.Module) -> bool:
+    """Whether ``model`` takes torchtune's KV caches (and has none set up already)."""
+    return (
+        callable(getattr(model, "setup_caches", None))
+        and callable(getattr(model, "caches_are_setup", None))
+        and not model.caches_are_setup()
+        and isinstance(getattr(model, "tok_embeddings", None), nn.Embedding)
+    )
+
+
+@torch.no_grad()
+def greedy_batch(
+    model: nn.Module,
+    prompts: List[List[int]],
+    *,
+    max_new_tokens: int,
+    stop_tokens: List[int],
+    pad_id: int,
+    device: torch.device = torch.device("cpu"),
+) -> List[List[int]]:
+    """:func:`greedy_tokens` of several prompts in one batch: left-padded, a causal mask that
+    hides the padding, positions counted from each prompt's first token, and a KV cache where
+    the model takes torchtune's (without one, each step runs the whole batch again).
+
+    Returns:
+        List[List[int]]: each prompt's new tokens, up to its first stop token (not returned).
+    """
+    b, s = len(prompts), max(len(p) for p in prompts)
+    total = s + max_new_tokens
+    tokens = torch.full((b, total), pad_id, dtype=torch.long)
+    real = torch.zeros((b, total), dtype=torch.bool)
+    real[:, s:] = True  # the generated tokens
+    for i, p in enumerate(prompts):
+        tokens[i, s - len(p) : s] = torch.tensor(p, dtype=torch.long)
+        real[i, s - len(p) : s] = True
+    tokens, real = tokens.to(device), real.to(device)
+    mask = get_causal_mask_from_padding_mask(real, target_seq_len=total)  # (b, total, total)
+    pos = get_position_ids_from_padding_mask(real)  # (b, total)
+    stop = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    new: List[List[int]] = [[] for _ in range(b)]
+    cache = _cacheable(model)
+    ctx = (
+        local_kv_cache(model, batch_size=b, device=device, dtype=model.tok_embeddings.weight.dtype,
+                       decoder_max_seq_len=total)  # fmt: skip
+        if cache
+        else contextlib.nullcontext()
+    )
+
+    def forward(start: int, end: int) -> torch.Tensor:
+        """The last position's logits of ``tokens[:, :end]``, feeding ``start:end`` (cached)."""
+        cols = mask[:, start:end] if cache else mask[:, start:end, :end]
+        return _logits(model, tokens[:, start:end], input_pos=pos[:, start:end], mask=cols)[:, -1]
+
+    with ctx:
+        logits = forward(0, s)
+        for step in range(max_new_tokens):
+            nxt = logits.argmax(-1)  # (b,)
+            done |= torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+            for i in torch.nonzero(~done).flatten().tolist():
+                new[i].append(int(nxt[i]))
+            if step == max_new_tokens - 1:
+                break
+            tokens[:, s + step] = nxt
+            logits = forward(s + step if cache else 0, s + step + 1)
+    return new
+
+
 class HeldoutEvaluator:
     """What a recipe calls at the start and the end of training (``heldout`` block).
 
@@ -189,7 +267,8 @@ class HeldoutEvaluator:
 
     Raises:
         ConfigKeyError: ``heldout.prompt_index`` past the held-out samples; a sample the model
-            answers that has no prompt (``train_on_input: True``) or no answer token.
+            answers that has no prompt (``train_on_input: True``) or no answer token; a sample
+            as long as ``tokenizer.max_seq_len`` (it may have been cut).
     """
 
     def __init__(
@@ -206,6 +285,16 @@ class HeldoutEvaluator:
                 f"heldout.prompt_index is {settings['prompt_index']}, but heldout.dataset has "
                 f"{len(self.samples)} samples"
             )
+        # a sample cut at max_seq_len lost its answer's end: its loss and exact match would
+        # score the wrong thing
+        limit = getattr(tokenizer, "max_seq_len", None)
+        for i, sample in enumerate(self.samples):
+            if limit is not None and len(sample["tokens"]) >= limit:
+                raise ConfigKeyError(
+                    f"heldout.dataset: sample {i} is {len(sample['tokens'])} tokens, "
+                    f"tokenizer.max_seq_len is {limit}: the sample may have been cut; "
+                    "raise tokenizer.max_seq_len"
+                )
         self._s = settings
         self._tok = tokenizer
         self._device = device
@@ -240,16 +329,27 @@ class HeldoutEvaluator:
         ids = [t for t, lab in zip(s["tokens"], s["labels"]) if lab != self._ignore]
         return self._tok.decode([t for t in ids if t not in self._stop]).strip()
 
-    def answer(self, model: nn.Module, index: int) -> str:
-        """The model's greedy answer to held-out sample ``index``'s prompt, stripped."""
-        ids = greedy_tokens(
-            model,
-            self.prompt(index),
-            max_new_tokens=self._s["max_new_tokens"],
-            stop_tokens=self._stop,
-            device=self._device,
-        )
-        return self._tok.decode(ids).strip()
+    def answers(self, model: nn.Module, indices: List[int]) -> List[str]:
+        """The model's greedy answers to the prompts of held-out samples ``indices``, stripped,
+        ``heldout.batch_size`` prompts at a time (a progress bar for more than one answer)."""
+        out: List[str] = []
+        size = self._s["batch_size"]
+        with tqdm(total=len(indices), desc="held-out answers", unit="answer", leave=False,
+                  disable=len(indices) < 2) as bar:  # fmt: skip
+            for start in range(0, len(indices), size):
+                chunk = indices[start : start + size]
+                ids = greedy_batch(
+                    model,
+                    [self.prompt(i) for i in chunk],
+                    max_new_tokens=self._s["max_new_tokens"],
+                    stop_tokens=self._stop,
+                    pad_id=self._tok.pad_id,
+                    device=self._device,
+                )
+                out += [self._tok.decode(t).strip() for t in ids]
+                bar.update(len(chunk))
+            bar.refresh()  # the full bar shown once, however fast the answers came
+        return out
 
     def evaluate(self, model: nn.Module) -> Dict[str, Any]:
         """Held-out loss, the greedy answer to ``prompt_index``'s prompt and, if asked, the
@@ -265,18 +365,14 @@ class HeldoutEvaluator:
                 model, self.samples, pad_id=self._tok.pad_id, batch_size=self._s["batch_size"],
                 device=self._device, ignore_index=self._ignore,
             )  # fmt: skip
-            res["answer"] = self.answer(model, self._s["prompt_index"])
             n = min(self._s["exact_match_samples"], len(self.samples))
+            index = self._s["prompt_index"]
+            indices = list(range(n)) + ([index] if index >= n else [])
+            answers = self.answers(model, indices)
+            res["answer"] = answers[indices.index(index)]
             if n:
-                # greedy answers take seconds each on a CPU: a progress bar for them
-                hits = 0
-                with tqdm(total=n, desc="held-out answers", unit="answer", leave=False,
-                          disable=n < 2) as bar:  # fmt: skip
-                    for i in range(n):
-                        hits += self.answer(model, i) == self.expected(i)
-                        bar.update()
-                    bar.refresh()  # the full bar shown once, however fast the answers came
-                res["exact_match"], res["exact_match_of"] = hits, n
+                res["exact_match"] = sum(a == self.expected(i) for i, a in zip(range(n), answers))
+                res["exact_match_of"] = n
         finally:
             model.train(was_training)
             if hidden:

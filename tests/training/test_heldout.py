@@ -14,6 +14,7 @@ from squash.datasets import unicode_names_dataset
 from squash.models.opt import OPTCheckpointer, opt, opt_args_from_hf_config, opt_tokenizer
 from squash.training.heldout import (
     HeldoutEvaluator,
+    greedy_batch,
     greedy_tokens,
     heldout_loss,
     parse_heldout,
@@ -64,6 +65,46 @@ def test_greedy_tokens_equal_transformers_greedy_generate(tiny):
     if tok.eos_id in theirs:
         theirs = theirs[: theirs.index(tok.eos_id)]
     assert ours == theirs and len(ours) > 0
+
+
+class _NoCache(torch.nn.Module):
+    """The model without torchtune's cache methods: greedy_batch reruns the whole batch."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, **kwargs):
+        return self.model(tokens, **kwargs)
+
+
+def _hf_greedy(hf, prompt, n, stop):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=1, min_new_tokens=n)[0, len(prompt):]  # fmt: skip
+    out = out.tolist()
+    cut = [i for i, t in enumerate(out) if t in stop]
+    return out[: cut[0]] if cut else out
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_batched_greedy_answers_equal_transformers_one_prompt_at_a_time(tiny, cached):
+    """Prompts of different lengths in one left-padded batch, with and without the KV cache,
+    against transformers' greedy generate of each prompt alone; a stop token that ends some
+    answers early while the others go on."""
+    model, hf, tok = tiny
+    ds = unicode_names_dataset(tok, split="validation")
+    prompts = [prompt_tokens(ds[i]) for i in (0, 1, 6, 3)]
+    assert len({len(p) for p in prompts}) > 1  # the batch is padded
+    runner = model if cached else _NoCache(model)
+    free = [_hf_greedy(hf, p, 5, []) for p in prompts]
+    assert greedy_batch(runner, prompts, max_new_tokens=5, stop_tokens=[], pad_id=tok.pad_id) == free
+    stop = [free[1][0]]  # ends the second answer at once, not the first
+    expected = [_hf_greedy(hf, p, 5, stop) for p in prompts]
+    assert expected[1] == [] and len(expected[0]) == 5
+    got = greedy_batch(runner, prompts, max_new_tokens=5, stop_tokens=stop, pad_id=tok.pad_id)
+    assert got == expected
+    assert not model.caches_are_setup()  # the cache is gone after the batch
 
 
 def test_report_prints_before_and_after(tiny, capsys):
@@ -149,3 +190,45 @@ def test_next_token_loss_against_a_float64_sum_by_hand():
                 n += 1
     assert count == n == 5 and total.dtype == torch.float64
     assert abs(float(total) - want) < 1e-5
+
+
+def test_batched_greedy_on_a_sparse_nf4_llama_equals_one_prompt_at_a_time():
+    """Rotary positions counted from each left-padded prompt's first token, an NF4 base with
+    sparse adapters (B nonzero, so they count), chunked output: the batch answers as
+    :func:`greedy_tokens` answers each prompt alone without a cache."""
+    from torchtune.models.llama3_2 import lora_llama3_2
+
+    from squash.modules import swap_lora_linear
+
+    torch.manual_seed(0)
+    model = lora_llama3_2(
+        lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, vocab_size=256,
+        num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128, max_seq_len=64,
+        intermediate_dim=256, lora_rank=4, lora_alpha=8.0, quantize_base=True,
+    )  # fmt: skip
+    swap_lora_linear(model, sparsity=0.5, sparse_factor="both")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(0, 0.1)
+    model.set_num_output_chunks(4)
+    model.eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 11, 7, 1)]
+    expected = [greedy_tokens(model, p, max_new_tokens=8, stop_tokens=[]) for p in prompts]
+    got = greedy_batch(model, prompts, max_new_tokens=8, stop_tokens=[], pad_id=0)
+    assert got == expected and all(len(e) == 8 for e in expected)
+
+
+def test_a_sample_cut_by_max_seq_len_is_refused_naming_the_key(tiny):
+    _, _, tok = tiny
+    settings = parse_heldout({
+        "dataset": {"_component_": "squash.datasets.unicode_names_dataset", "split": "validation",
+                    "max_samples": 3},
+    })
+    longest = max(len(s["tokens"]) for s in HeldoutEvaluator(settings, tok, torch.device("cpu"), -100).samples)
+    cut = opt_tokenizer(str(TINY / "vocab.json"), str(TINY / "merges.txt"), max_seq_len=longest - 1)
+    with pytest.raises(ConfigKeyError, match=rf"heldout.dataset: sample \d is {longest - 1} tokens, "
+                                             rf"tokenizer.max_seq_len is {longest - 1}: the sample "
+                                             "may have been cut"):  # fmt: skip
+        HeldoutEvaluator(settings, cut, torch.device("cpu"), -100)
