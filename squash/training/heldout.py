@@ -392,7 +392,7 @@ class HeldoutEvaluator:
                 f"({n} samples, {int(res['tokens'])} answer tokens)",
                 f"Held-out prompt: {' '.join(prompt.split())}",
                 f"  expected answer:        {self.expected(index)}",
-                f"  answer before training: {res['answer']}",
+                f"  answer before training: {_one_line(res['answer'])}",
             ]
         else:
             b = self.before
@@ -401,8 +401,8 @@ class HeldoutEvaluator:
                 f"Held-out loss before training: {b['loss']:.4f}, after: {res['loss']:.4f} "
                 f"({change:+.1f}%)",
                 f"  expected answer:        {self.expected(index)}",
-                f"  answer before training: {b['answer']}",
-                f"  answer after training:  {res['answer']}",
+                f"  answer before training: {_one_line(b['answer'])}",
+                f"  answer after training:  {_one_line(res['answer'])}",
             ]
         if "exact_match" in res:
             lines.append(
@@ -411,6 +411,11 @@ class HeldoutEvaluator:
             )
         print("\n".join(lines), flush=True)
         return res
+
+
+def _one_line(text: str) -> str:
+    """An answer as one printed line: its line breaks and runs of spaces as one space."""
+    return " ".join(text.split())
 
 
 def setup_heldout(

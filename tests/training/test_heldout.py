@@ -232,3 +232,19 @@ def test_a_sample_cut_by_max_seq_len_is_refused_naming_the_key(tiny):
                                              rf"tokenizer.max_seq_len is {longest - 1}: the sample "
                                              "may have been cut"):  # fmt: skip
         HeldoutEvaluator(settings, cut, torch.device("cpu"), -100)
+
+
+def test_a_multi_line_answer_prints_on_one_line(tiny, capsys, monkeypatch):
+    model, _, tok = tiny
+    settings = parse_heldout({
+        "dataset": {"_component_": "squash.datasets.unicode_names_dataset", "split": "validation",
+                    "max_samples": 2},
+        "max_new_tokens": 2,
+    })
+    ev = HeldoutEvaluator(settings, tok, torch.device("cpu"), -100)
+    monkeypatch.setattr(ev, "answers", lambda model, indices: ["December 1, 2091\n\nThis  is"])
+    ev.report(model)
+    ev.report(model)
+    out = capsys.readouterr().out
+    assert "  answer before training: December 1, 2091 This is\n" in out
+    assert "  answer after training:  December 1, 2091 This is\n" in out
