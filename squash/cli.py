@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 RECIPES: Dict[str, List[str]] = {
     "squash_finetune": [
         "opt_tiny", "opt350m", "opt350m_qlora", "llama3_2_1b", "smollm2_135m", "smollm2_135m_qlora",
+        "smollm2_135m_unicode", "smollm2_135m_unicode_long",
     ],
     "squash_finetune_distributed": [
         "opt_tiny_distributed", "opt350m_distributed", "llama3_2_1b_distributed",
