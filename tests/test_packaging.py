@@ -64,6 +64,10 @@ def test_wheel_ships_every_package_recipe_config_and_kernel_and_loader_finds_the
     assert not expected - names, sorted(expected - names)
     assert not any(n.startswith(("recipes/", "configs/", "kernels/", "tests/")) for n in names)
 
+    # site-packages may hold a `kernels` package of its own (PyPI's, which transformers brings)
+    # beside squash: the loader must not take it for squash's sources
+    (target / "kernels").mkdir()
+    (target / "kernels" / "__init__.py").write_text("")
     probe = (
         "import squash.ops._loader as l, squash_finetune, squash.export.adapters; "
         "print(l.kernels_dir())"

@@ -60,12 +60,16 @@ BUILD_ESTIMATE = {"cpu": "about 1-2 minutes on 2 CPU cores", "cuda": "a few minu
 
 
 def kernels_dir() -> Path:
-    """Directory holding the kernel sources (``kernels/`` beside the package, or inside it)."""
+    """Directory holding the kernel sources: ``squash/_kernels`` in an installed package,
+    ``kernels/`` beside the package in a checkout (an editable install). A folder counts only
+    if it holds every source squash compiles: in an installed package ``kernels/`` beside
+    ``squash`` is site-packages' own (PyPI's ``kernels`` package, which transformers brings)."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parents[1] / "kernels", here.parent / "_kernels"):
-        if candidate.is_dir():
+    names = [name for files in _SOURCES.values() for name in files]
+    for candidate in (here.parent / "_kernels", here.parents[1] / "kernels"):
+        if all((candidate / name).is_file() for name in names):
             return candidate
-    raise FileNotFoundError(f"squash kernel sources not found near {here}")
+    raise FileNotFoundError(f"squash kernel sources ({', '.join(names)}) not found near {here}")
 
 
 def _read_env(name: str, default: str) -> str:
