@@ -10,18 +10,32 @@ The base model (float32, transformers, greedy, its chat template, 20 new tokens)
 ``--n`` questions of each; an answer counts when, stripped, it equals the expected one.
 
     python benchmarks/task_screen.py --checkpoint-dir /tmp/squash/smollm2-135m-instruct
+
+``--finetune`` instead runs the main job (``configs/smollm2_135m.yaml``, ``tune run``) on each
+task: its validation split is the 50 questions screened above, its train split every other
+question of the task (the dates: ``squash.datasets.iso_dates``'s splits), and prints the
+held-out exact match before and after, the held-out loss and the run's wall time (``--set``
+passes more overrides, e.g. ``dtype=fp32``).
 """
 
 import argparse
 import importlib
+import os
 import random
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any, List, Optional, Tuple
 
 import torch
 
+from squash.datasets._chat import QuestionAnswerDataset
 from squash.datasets.iso_dates import QUESTION, iso_date_pairs
+
+HERE = Path(__file__).resolve().parent
+HELDOUT = 50  # the validation questions of each task: candidates(HELDOUT)
 
 ROMAN = ((1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"), (50, "L"),
          (40, "XL"), (10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I"))  # fmt: skip
@@ -65,6 +79,75 @@ def candidates(n: int) -> dict:
     }
 
 
+def candidate_split(task: str, split: str) -> List[Tuple[str, str]]:
+    """``(question, answer)`` pairs of one split of ``roman`` or ``snake``: ``validation`` is
+    :func:`candidates`'s :data:`HELDOUT` questions, ``train`` every other question of the task
+    (numbers 1..3999 or the camelCase names), shuffled with a fixed seed.
+
+    Raises:
+        ValueError: another task or split.
+    """
+    if task not in ("roman", "snake") or split not in ("train", "validation"):
+        raise ValueError(f"task must be roman or snake and split train or validation, got "
+                         f"{task!r}, {split!r}")  # fmt: skip
+    held = candidates(HELDOUT)[task]
+    if split == "validation":
+        return held
+    if task == "roman":
+        taken = {int(q.split()[1]) for q, _ in held}
+        rest = [(f"Write {k} in Roman numerals. Answer with the numeral only.", roman(k))
+                for k in range(1, 4000) if k not in taken]  # fmt: skip
+    else:
+        taken = {q.split()[4] for q, _ in held}
+        rest = [(f"Convert the Python name {k} from camelCase to snake_case. Answer with the "
+                 "name only.", snake(k)) for k in camel_names() if k not in taken]  # fmt: skip
+    random.Random(1).shuffle(rest)
+    return rest
+
+
+class CandidateDataset(QuestionAnswerDataset):
+    """One split of ``roman`` or ``snake`` (:func:`candidate_split`) as the recipes' datasets
+    are: a chat, the question masked out of the loss."""
+
+    QUESTION, SUBJECT = "{question}", "question"
+
+    def __init__(self, tokenizer: Any, task: str, split: str = "train",
+                 max_samples: Optional[int] = None) -> None:  # fmt: skip
+        super().__init__(tokenizer, candidate_split(task, split), max_samples)
+
+
+def candidate_dataset(tokenizer: Any, task: str, split: str = "train",
+                      max_samples: Optional[int] = None) -> CandidateDataset:  # fmt: skip
+    """Builder for configs: ``dataset: {_component_: task_screen.candidate_dataset, task: roman}``
+    (``benchmarks/`` on ``PYTHONPATH``)."""
+    return CandidateDataset(tokenizer, task, split, max_samples)
+
+
+def finetune(task: str, checkpoint_dir: str, out: Path, extra: List[str]) -> dict:
+    """The main job on ``task`` through ``tune run``; what it printed and its wall time."""
+    sys.path.insert(0, str(HERE))
+    from main_job import parse_output
+
+    if task == "date":
+        data = {"_component_": "squash.datasets.iso_dates_dataset"}
+    else:
+        data = {"_component_": "task_screen.candidate_dataset", "task": task}
+    sets = [f"output_dir={out / task}", f"checkpointer.checkpoint_dir={checkpoint_dir}",
+            f"tokenizer.path={checkpoint_dir}", "heldout.max_new_tokens=20",
+            f"heldout.dataset.max_samples={HELDOUT}", f"heldout.exact_match_samples={HELDOUT}"]  # fmt: skip
+    for block, split in (("dataset", "train"), ("heldout.dataset", "validation")):
+        sets += [f"{block}.{k}={v}" for k, v in data.items()] + [f"{block}.split={split}"]
+    cmd = [str(Path(sys.executable).with_name("tune")), "run", "squash_finetune", "--config",
+           str(HERE.parent / "configs" / "smollm2_135m.yaml"), *sets, *extra]  # fmt: skip
+    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return {**parse_output(proc.stdout), "wall_s": time.perf_counter() - t0}
+
+
 def exact_match(model, tok, items, batch: int = 10):
     hits, shown = 0, []
     for i in range(0, len(items), batch):
@@ -85,7 +168,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint-dir", default="/tmp/squash/smollm2-135m-instruct")
     parser.add_argument("--n", type=int, default=50)
+    parser.add_argument("--finetune", action="store_true", help="run the main job on each task")
+    parser.add_argument("--tasks", nargs="+", default=["date", "roman", "snake"])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/squash/task_screen"))
+    parser.add_argument("--set", nargs="*", default=[], help="more key=value overrides")
     args = parser.parse_args()
+    if args.finetune:
+        print("| task | exact match before | after | held-out loss before -> after | seconds | "
+              "the first answer after |\n|---|---:|---:|---|---:|---|")  # fmt: skip
+        for task in args.tasks:
+            r = finetune(task, args.checkpoint_dir, args.out, args.set)
+            print(f"| {task} | {r['exact_before']}/{r['of']} | {r['exact_after']}/{r['of']} | "
+                  f"{r['loss_before']:.4f} -> {r['loss_after']:.4f} | {r['wall_s']:.0f} | "
+                  f"{r['answer_after']!r} |", flush=True)  # fmt: skip
+        return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.checkpoint_dir)

@@ -2,6 +2,8 @@
 
 import importlib.util
 
+import pytest
+
 from tests.helpers import REPO
 
 spec = importlib.util.spec_from_file_location("task_screen", REPO / "benchmarks" / "task_screen.py")
@@ -30,3 +32,16 @@ def test_candidates_are_n_questions_each_and_dates_come_from_the_validation_spli
     assert {k: len(v) for k, v in tasks.items()} == {"date": 7, "roman": 7, "snake": 7}
     assert [a for _, a in tasks["date"]] == [a for _, a in iso_date_pairs("validation")[:7]]
     assert tasks["roman"][0][1] == task_screen.roman(int(tasks["roman"][0][0].split()[1]))
+
+
+@pytest.mark.parametrize("task", ["roman", "snake"])
+def test_candidate_splits_are_disjoint_and_checked_by_the_rule(task):
+    val, train = task_screen.candidate_split(task, "validation"), task_screen.candidate_split(task, "train")
+    assert val == task_screen.candidates(50)[task] and len(val) == 50
+    assert not {q for q, _ in val} & {q for q, _ in train}
+    assert len(train) == (3999 if task == "roman" else len(task_screen.camel_names())) - 50
+    for q, a in val + train:
+        subject = q.split()[1] if task == "roman" else q.split()[4]
+        assert a == (task_screen.roman(int(subject)) if task == "roman" else task_screen.snake(subject))
+    with pytest.raises(ValueError, match="task must be roman or snake"):
+        task_screen.candidate_split("date", "train")
