@@ -82,10 +82,10 @@ def test_each_bad_value_the_recipe_refuses_is_refused_with_its_line(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_tune_run_and_squash_validate_refuse_each_non_config_with_the_same_line(tmp_path):
-    """The real `tune run` and `squash validate` on each config the in-process tests refuse
-    (tests/config/test_refused_configs.py): no traceback, and the same message after
-    ``config error:``, naming the file or the key."""
+def test_tune_run_and_squash_validate_refuse_each_non_config_with_the_same_line(tmp_path, capsys):
+    """The real `tune run` (a process) and `squash validate` (its ``main``, in this process) on
+    each config the in-process tests refuse (tests/config/test_refused_configs.py): no
+    traceback, and the same message after ``config error:``, naming the file or the key."""
     from omegaconf import OmegaConf
 
     from tests.config.test_refused_configs import bad_files
@@ -100,8 +100,9 @@ def test_tune_run_and_squash_validate_refuse_each_non_config_with_the_same_line(
         out = tmp_path / f"out_{case}"
         tune = subprocess.run([str(BIN / "tune"), "run", "squash_finetune", "--config", str(path),
                                f"output_dir={out}"], capture_output=True, text=True, timeout=300)  # fmt: skip
-        ours = subprocess.run([str(BIN / "squash"), "validate", str(path)], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        capsys.readouterr()
+        code = main(["validate", str(path)])
+        ours = subprocess.CompletedProcess([], code, *capsys.readouterr())
         for proc in (tune, ours):
             assert proc.returncode == 1 and "Traceback" not in proc.stderr, (case, proc.stderr)
         tune_line = [line for line in tune.stderr.splitlines() if line.strip()][-1]
