@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import host, mean_std  # noqa: E402
+from common import host, mean_std, welch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"squash": "smollm2_135m", "qlora": "smollm2_135m_qlora"}
@@ -101,6 +101,13 @@ def report(out: Path) -> str:
         cells.append(f"{m:.0f} +/- {s:.0f}")
         seeds = ", ".join(str(r["seed"]) for r in rs)
         lines.append(f"| `{rs[0]['config']}` | {seeds} | " + " | ".join(cells) + " |")
+    by = {arm: [r for r in runs if r["arm"] == arm] for arm in CONFIGS}
+    if all(len(v) >= 2 for v in by.values()):
+        parts = []
+        for key, name in (("exact_after", "exact match after"), ("loss_after", "loss after")):
+            w = welch([r[key] for r in by["squash"]], [r[key] for r in by["qlora"]])
+            parts.append(f"{name} t = {w['t']:+.2f}, p = {w['p']:.2g}")
+        lines.append(f"\nsquash against QLoRA (Welch's t): {'; '.join(parts)}")
     return "\n".join(lines)
 
 

@@ -37,4 +37,21 @@ def test_report_is_the_mean_and_sample_std_over_seeds(tmp_path):
     assert row == ("| `configs/smollm2_135m.yaml` | 1, 2, 3 | 0% +/- 0 (0, 0, 0 of 50) | "
                    "90% +/- 10 (40, 45, 50 of 50) | 0.7000 +/- 0.0000 | 0.0200 +/- 0.0100 | "
                    "110 +/- 10 |")  # fmt: skip
-    assert len(table.splitlines()) == 3  # no QLoRA runs, no QLoRA row
+    assert len(table.splitlines()) == 3  # no QLoRA runs, no QLoRA row, no comparison
+
+
+def test_report_compares_squash_with_qlora_by_welch(tmp_path):
+    from scipy import stats
+
+    hits = {"squash": [50, 50, 49], "qlora": [47, 48, 49]}
+    for arm, values in hits.items():
+        for seed, h in enumerate(values):
+            run = {"arm": arm, "config": arm, "seed": seed, "exact_before": 0, "exact_after": h,
+                   "of": 50, "loss_before": 0.7, "loss_after": 0.01 * (seed + 1) + (arm == "qlora") * 0.005,
+                   "wall_s": 1.0}  # fmt: skip
+            (tmp_path / f"{arm}_s{seed}.json").write_text(json.dumps(run))
+    last = main_job.report(tmp_path).splitlines()[-1]
+    ref = stats.ttest_ind(hits["squash"], hits["qlora"], equal_var=False)
+    assert f"exact match after t = {ref.statistic:+.2f}, p = {ref.pvalue:.2g}" in last
+    ref = stats.ttest_ind([0.01, 0.02, 0.03], [0.015, 0.025, 0.035], equal_var=False)
+    assert f"loss after t = {ref.statistic:+.2f}, p = {ref.pvalue:.2g}" in last
