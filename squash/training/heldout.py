@@ -296,6 +296,7 @@ class HeldoutEvaluator:
                     "raise tokenizer.max_seq_len"
                 )
         self._s = settings
+        self._prompts: Dict[int, List[int]] = {}
         self._tok = tokenizer
         self._device = device
         self._ignore = ignore_index
@@ -316,10 +317,13 @@ class HeldoutEvaluator:
                 )
 
     def prompt(self, index: int) -> List[int]:
-        """The prompt tokens of held-out sample ``index`` (see :func:`prompt_tokens`)."""
-        return prompt_tokens(
-            self.samples[index], self._answers[index], self._tok.decode, self._ignore
-        )
+        """The prompt tokens of held-out sample ``index`` (see :func:`prompt_tokens`), found
+        once: finding the end of a chat header decodes the sample's tail at each position."""
+        if index not in self._prompts:
+            self._prompts[index] = prompt_tokens(
+                self.samples[index], self._answers[index], self._tok.decode, self._ignore
+            )
+        return self._prompts[index]
 
     def expected(self, index: int) -> str:
         """The expected answer of held-out sample ``index``."""
@@ -390,7 +394,7 @@ class HeldoutEvaluator:
             lines = [
                 f"Held-out loss before training: {res['loss']:.4f} "
                 f"({n} samples, {int(res['tokens'])} answer tokens)",
-                f"Held-out prompt: {' '.join(prompt.split())}",
+                f"Held-out prompt: {_one_line(prompt)}",
                 f"  expected answer:        {self.expected(index)}",
                 f"  answer before training: {_one_line(res['answer'])}",
             ]
