@@ -50,6 +50,23 @@ def parse_output(text: str) -> dict:
             "exact_after": hits, "of": of, "answer_after": found["answer"].group(1).strip()}  # fmt: skip
 
 
+def run_recipe(config: Path, overrides: list, env: dict = None) -> dict:
+    """``tune run squash_finetune --config CONFIG OVERRIDES``: what it printed
+    (:func:`parse_output`) and its wall time ``wall_s``.
+
+    Raises:
+        SystemExit: the run failed (its stderr's end).
+    """
+    cmd = [str(Path(sys.executable).with_name("tune")), "run", "squash_finetune", "--config",
+           str(config), *overrides]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return {**parse_output(proc.stdout), "wall_s": round(wall, 1)}
+
+
 def run_one(arm: str, seed: int, args) -> Path:
     path = args.out / f"{arm}_s{seed}.json"
     if path.exists():
@@ -57,19 +74,12 @@ def run_one(arm: str, seed: int, args) -> Path:
         return path
     ckpt = str(args.checkpoint_dir)
     work = args.work / f"{arm}_s{seed}"
-    cmd = [str(Path(sys.executable).with_name("tune")), "run", "squash_finetune", "--config",
-           str(REPO / "configs" / f"{CONFIGS[arm]}.yaml"), f"output_dir={work}",
-           f"checkpointer.checkpoint_dir={ckpt}", f"tokenizer.path={ckpt}", f"seed={seed}",
-           *args.set]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    overrides = [f"output_dir={work}", f"checkpointer.checkpoint_dir={ckpt}",
+                 f"tokenizer.path={ckpt}", f"seed={seed}", *args.set]  # fmt: skip
+    ran = run_recipe(REPO / "configs" / f"{CONFIGS[arm]}.yaml", overrides,
+                     {"OMP_NUM_THREADS": str(args.threads)})  # fmt: skip
     res = {"arm": arm, "config": f"configs/{CONFIGS[arm]}.yaml", "seed": seed, "set": args.set,
-           "threads": args.threads, "wall_s": round(wall, 1), "host": host(),
-           **parse_output(proc.stdout)}  # fmt: skip
+           "threads": args.threads, "wall_s": ran.pop("wall_s"), "host": host(), **ran}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1) + "\n")
@@ -85,8 +95,8 @@ def report(out: Path) -> str:
         raise SystemExit(f"no runs in {out}")
     lines = ["| config | seeds | exact match before | exact match after | held-out loss before "
              "| held-out loss after | wall time (s) |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for arm in CONFIGS:
-        rs = [r for r in runs if r["arm"] == arm]
+    by = {arm: [r for r in runs if r["arm"] == arm] for arm in CONFIGS}
+    for rs in by.values():
         if not rs:
             continue
         of = rs[0]["of"]
@@ -101,7 +111,6 @@ def report(out: Path) -> str:
         cells.append(f"{m:.0f} +/- {s:.0f}")
         seeds = ", ".join(str(r["seed"]) for r in rs)
         lines.append(f"| `{rs[0]['config']}` | {seeds} | " + " | ".join(cells) + " |")
-    by = {arm: [r for r in runs if r["arm"] == arm] for arm in CONFIGS}
     if all(len(v) >= 2 for v in by.values()):
         parts = []
         for key, name in (("exact_after", "exact match after"), ("loss_after", "loss after")):

@@ -23,7 +23,6 @@ import importlib
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,7 +125,7 @@ def candidate_dataset(tokenizer: Any, task: str, split: str = "train",
 def finetune(task: str, checkpoint_dir: str, out: Path, extra: List[str]) -> dict:
     """The main job on ``task`` through ``tune run``; what it printed and its wall time."""
     sys.path.insert(0, str(HERE))
-    from main_job import parse_output
+    from main_job import run_recipe
 
     if task == "date":
         data = {"_component_": "squash.datasets.iso_dates_dataset"}
@@ -137,15 +136,9 @@ def finetune(task: str, checkpoint_dir: str, out: Path, extra: List[str]) -> dic
             f"heldout.dataset.max_samples={HELDOUT}", f"heldout.exact_match_samples={HELDOUT}"]  # fmt: skip
     for block, split in (("dataset", "train"), ("heldout.dataset", "validation")):
         sets += [f"{block}.{k}={v}" for k, v in data.items()] + [f"{block}.split={split}"]
-    cmd = [str(Path(sys.executable).with_name("tune")), "run", "squash_finetune", "--config",
-           str(HERE.parent / "configs" / "smollm2_135m.yaml"), *sets, *extra]  # fmt: skip
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": path})  # fmt: skip
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return {**parse_output(proc.stdout), "wall_s": time.perf_counter() - t0}
+    return run_recipe(HERE.parent / "configs" / "smollm2_135m.yaml", sets + extra,
+                      {"PYTHONPATH": path})  # fmt: skip
 
 
 def exact_match(model, tok, items, batch: int = 10):
