@@ -31,15 +31,13 @@ from squash.config.keys import (
 )
 from squash.config.overrides import overrides_in_one_line
 from squash.config.validate import check_config
-from squash.export import adapters
 from squash.losses import LogitKLLoss, SquareHeadLoss
 from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
-from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
-from squash.training import data, placement, steps
-from squash.training.heldout import setup_heldout
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line
+from squash.single_device import SingleDeviceRecipe
+from squash.training import placement, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
-from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -53,7 +51,7 @@ REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "teacher",
                  "teacher_checkpointer", "dataset", "optimizer", "loss", "epochs", "batch_size")
 
 
-class SquashDistillRecipeSingleDevice(FTRecipeInterface):
+class SquashDistillRecipeSingleDevice(SingleDeviceRecipe, FTRecipeInterface):
     """Distillation into a QLoRA student whose adapter factors are Fixed Fan-In sparse, on one
     CUDA, ROCm or CPU device. Everything of ``squash_finetune`` works the same way (the same
     :mod:`squash.training` functions build the student and the data, move the masks and
@@ -234,44 +232,7 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
             self._teacher.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = data.setup_dataloader(
-            cfg.dataset,
-            self._tokenizer,
-            batch_size=self._batch_size,
-            shuffle=cfg.get("shuffle", True),
-            seed=self.seed,
-            collate_fn=cfg.get("collate_fn", None),
-            ignore_index=self._loss_fn.ignore_index,
-            recorded=None if self._run_lock is None else self._run_lock.inputs,
-        )
-        if recipe_state is not None and recipe_state.get("dataloader") is not None:
-            self._dataloader.load_state_dict(recipe_state["dataloader"])
-        self._steps_per_epoch = data.steps_per_epoch(
-            len(self._dataloader),
-            batch_size=self._batch_size,
-            grad_accum=self._grad_accum,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
-        self._lr_scheduler = steps.setup_lr_scheduler(
-            cfg.get("lr_scheduler", None),
-            self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
-            state=recipe_state,
-        )
-        self._profiler = steps.setup_profiler(cfg.get("profiler", None))
-        self._ignore_labels = torch.full(
-            (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
-        )
-        # Restored in train(), where the run that wrote the checkpoint was when it saved it.
-        self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
-        self._heldout = setup_heldout(
-            cfg.get("heldout", None), self._tokenizer,
-            device=self._device, ignore_index=self._loss_fn.ignore_index,
-        )  # fmt: skip
-        # Last, as in squash_finetune: a run that stops in set-up leaves no log and no config copy
-        self._metric_logger = open_metric_logger(cfg)
-        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # output_dir/training.png
+        self._setup_data_and_schedule(cfg, recipe_state)
 
     def _setup_hidden_states(self) -> None:
         """Ask student and teacher for the hidden states SquareHead needs (none if its weight is
@@ -292,54 +253,6 @@ class SquashDistillRecipeSingleDevice(FTRecipeInterface):
         # torchtune's TransformerDecoder returns the inputs of these layers before the logits.
         self._model.output_hidden_states = list(self._squarehead_layers)
         self._teacher.output_hidden_states = list(self._squarehead_layers)
-
-    def _restore_counters(self, state: Dict[str, Any]) -> None:
-        self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
-        self.epochs_run = state["epochs_run"]
-        self.global_step = state["global_step"]
-        self._steps_in_epoch = state["steps_in_epoch"]
-        self.seed = state["seed"]
-
-    # ---- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
-        """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
-        name = name or f"epoch_{epoch}"
-        model_exports = adapters.checkpoint_exports(
-            adapters.state_to_export(self._model, adapter_only=self._adapter_only),
-            adapters.adapter_layout(self._model),
-            self._model_cfg,
-            dtype=self._dtype,
-            adapter_only=self._adapter_only,
-            svd_init=self._svd_init,
-        )
-        recipe_state = resume.recipe_state(
-            {
-                "epochs_run": self.epochs_run,
-                "global_step": self.global_step,
-                "steps_in_epoch": self._steps_in_epoch,
-                "seed": self.seed,
-                "total_epochs": self.total_epochs,
-                "max_steps_per_epoch": self.max_steps_per_epoch,
-            },
-            at_epoch_end=name.startswith("epoch_"),
-            optimizer=self._optimizer.state_dict(),
-            lr_scheduler=self._lr_scheduler,
-            dataloader=self._dataloader.state_dict(),
-            rng=ckpt.rng_state(self._device),
-        )
-        path = ckpt.write_checkpoint(
-            self._output_dir,
-            name,
-            checkpointer=self._checkpointer,
-            exports=model_exports,
-            recipe_state=recipe_state,
-            epoch=epoch,
-            global_step=self.global_step,
-            adapter_only=self._adapter_only,
-        )
-        self._last_checkpoint = path
-        log.info(f"Saved checkpoint {path}")
-        return path
 
     # ---- training -------------------------------------------------------------------------------
     def _split(self, output: Any) -> Tuple[List[torch.Tensor], Any]:

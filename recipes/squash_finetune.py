@@ -19,15 +19,14 @@ from squash.assembly.model_setup import assemble_adapter_model, load_base
 from squash.config.keys import FINETUNE_CONFIG_KEYS, check_component, get_int
 from squash.config.overrides import overrides_in_one_line
 from squash.config.validate import check_config
-from squash.export import adapters, parse_export_config
+from squash.export import parse_export_config
 from squash.merge import export_checkpoint, missing_exports
 from squash.runs import checkpoint as ckpt
 from squash.runs import resume, run_lock
-from squash.runs.entry import close_metric_logger, config_errors_in_one_line, open_metric_logger
-from squash.training import data, placement, progress, steps
-from squash.training.heldout import setup_heldout
+from squash.runs.entry import close_metric_logger, config_errors_in_one_line
+from squash.single_device import SingleDeviceRecipe
+from squash.training import placement, progress, steps
 from squash.training.masks import MaskUpdateSchedule, mask_update_due
-from squash.training.plot import TrainingPlot
 
 log = utils.get_logger("INFO")
 
@@ -38,7 +37,7 @@ REQUIRED_KEYS = ("output_dir", "model", "tokenizer", "checkpointer", "dataset", 
                  "loss", "epochs", "batch_size")
 
 
-class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
+class SquashFinetuneRecipeSingleDevice(SingleDeviceRecipe, FTRecipeInterface):
     """QLoRA fine-tuning where adapter factors are Fixed Fan-In sparse, on one CUDA, ROCm or CPU
     device. Follows torchtune's ``lora_finetune_single_device`` and adds squash's keys.
 
@@ -169,96 +168,14 @@ class SquashFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
-        self._dataloader = data.setup_dataloader(
-            cfg.dataset,
-            self._tokenizer,
-            batch_size=self._batch_size,
-            shuffle=cfg.get("shuffle", True),
-            seed=self.seed,
-            collate_fn=cfg.get("collate_fn", None),
-            ignore_index=self._loss_fn.ignore_index,
-            recorded=None if self._run_lock is None else self._run_lock.inputs,
-        )
-        if recipe_state is not None and recipe_state.get("dataloader") is not None:
-            self._dataloader.load_state_dict(recipe_state["dataloader"])
-        self._steps_per_epoch = data.steps_per_epoch(
-            len(self._dataloader),
-            batch_size=self._batch_size,
-            grad_accum=self._grad_accum,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
-        self._lr_scheduler = steps.setup_lr_scheduler(
-            cfg.get("lr_scheduler", None),
-            self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
-            state=recipe_state,
-        )
-        self._profiler = steps.setup_profiler(cfg.get("profiler", None))
-        self._ignore_labels = torch.full(
-            (self._batch_size, 1), self._loss_fn.ignore_index, device=self._device
-        )
-        # Restored in train(), where the run that wrote the checkpoint was when it saved it.
-        self._pending_rng = recipe_state["rng"] if recipe_state is not None else None
-        self._heldout = setup_heldout(
-            cfg.get("heldout", None), self._tokenizer,
-            device=self._device, ignore_index=self._loss_fn.ignore_index,
-        )  # fmt: skip
-        # Last: a run that stops in set-up leaves no log file and no config copy behind (nor
-        # overwrites the torchtune_config.yaml of the run it refused to resume).
-        self._metric_logger = open_metric_logger(cfg)
-        self._plot = TrainingPlot(self._output_dir, self._metric_logger)  # output_dir/training.png
-
-    def _restore_counters(self, state: Dict[str, Any]) -> None:
-        self.max_steps_per_epoch = resume.resumed_max_steps(state, self.max_steps_per_epoch)
-        self.epochs_run = state["epochs_run"]
-        self.global_step = state["global_step"]
-        self._steps_in_epoch = state["steps_in_epoch"]
-        self.seed = state["seed"]
+        self._setup_data_and_schedule(cfg, recipe_state)
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self, epoch: int, name: Optional[str] = None) -> Path:
-        """Write ``epoch_{epoch}`` (or ``name``, e.g. ``step_12``) atomically; returns its path."""
-        name = name or f"epoch_{epoch}"
-        model_exports = adapters.checkpoint_exports(
-            adapters.state_to_export(self._model, adapter_only=self._adapter_only),
-            adapters.adapter_layout(self._model),
-            self._model_cfg,
-            dtype=self._dtype,
-            adapter_only=self._adapter_only,
-            svd_init=self._svd_init,
-        )
-        recipe_state = resume.recipe_state(
-            {
-                "epochs_run": self.epochs_run,
-                "global_step": self.global_step,
-                "steps_in_epoch": self._steps_in_epoch,
-                "seed": self.seed,
-                "total_epochs": self.total_epochs,
-                "max_steps_per_epoch": self.max_steps_per_epoch,
-            },
-            at_epoch_end=name.startswith("epoch_"),
-            optimizer=self._optimizer.state_dict(),
-            lr_scheduler=self._lr_scheduler,
-            dataloader=self._dataloader.state_dict(),
-            rng=ckpt.rng_state(self._device),
-        )
-        path = ckpt.write_checkpoint(
-            self._output_dir,
-            name,
-            checkpointer=self._checkpointer,
-            exports=model_exports,
-            recipe_state=recipe_state,
-            epoch=epoch,
-            global_step=self.global_step,
-            adapter_only=self._adapter_only,
-        )
-        self._last_checkpoint = path
-        log.info(f"Saved checkpoint {path}")
-        if name.startswith("epoch_") and self._export:  # GGUF files of each epoch, in output_dir/gguf
+    def _saved(self, path: Path, name: str) -> None:
+        """GGUF files of each epoch checkpoint, in output_dir/gguf (``export.gguf``)."""
+        if name.startswith("epoch_") and self._export:
             for f in export_checkpoint(path, self._export):
                 log.info(f"Exported {f}")
-        return path
 
     def _redo_interrupted_export(self, resume_dir: Path) -> None:
         """Write the GGUF files of the epoch checkpoint resumed from that a run killed during
